@@ -1,0 +1,122 @@
+"""One-shot cleaning of a TensorDict or a dict of arrays, outside any buffer."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from cleanbuf._cleaner import Cleaner
+from cleanbuf._errors import InputError
+from cleanbuf._options import Options
+
+
+def _flatten(data: Mapping, prefix: tuple = ()) -> dict:
+    out = {}
+    for k, v in data.items():
+        key = prefix + (k if isinstance(k, tuple) else (k,))
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def _to_td(data: Mapping, batch_dims: int | None) -> tuple[TensorDictBase, bool]:
+    leaves = _flatten(data)
+    tensors, is_numpy = {}, []
+    for k, v in leaves.items():
+        if isinstance(v, np.ndarray):
+            tensors[k] = torch.from_numpy(v)
+            is_numpy.append(True)
+        elif isinstance(v, torch.Tensor):
+            tensors[k] = v
+            is_numpy.append(False)
+        else:
+            raise InputError(
+                f"key {k!r} holds {type(v).__name__}; a dict passed to clean() must hold "
+                "numpy arrays or torch tensors (nested dicts allowed)."
+            )
+    if len(set(is_numpy)) > 1:
+        raise InputError(
+            "the dict mixes numpy arrays and torch tensors; pass one kind so that the "
+            "result can be returned as the same kind."
+        )
+    done = next((tensors[k] for k in (("next", "done"), ("next", "terminated")) if k in tensors), None)
+    if batch_dims is None:
+        if done is None:
+            raise InputError(
+                "cannot infer the batch dimensions of a dict without ('next', 'done') or "
+                "('next', 'terminated'); pass batch_dims=."
+            )
+        batch_dims = done.dim() - 1 if done.dim() > 1 and done.shape[-1] == 1 else done.dim()
+    shapes = {k: tuple(v.shape[:batch_dims]) for k, v in tensors.items()}
+    first = next(iter(shapes.values()))
+    bad = {k: list(s) for k, s in shapes.items() if s != first}
+    if bad:
+        raise InputError(
+            f"arrays disagree on the batch shape (first {batch_dims} dims): expected "
+            f"{list(first)} for every key, got {bad}. Fix the shapes or pass batch_dims=."
+        )
+    td = TensorDict(batch_size=list(first))
+    for k, v in tensors.items():
+        td.set(k, v)
+    return td, bool(is_numpy and is_numpy[0])
+
+
+def _to_dict(td: TensorDictBase, as_numpy: bool) -> dict:
+    out: dict = {}
+    for k, v in td.items(include_nested=True, leaves_only=True):
+        k = k if isinstance(k, tuple) else (k,)
+        node = out
+        for part in k[:-1]:
+            node = node.setdefault(part, {})
+        node[k[-1]] = v.numpy() if as_numpy else v
+    return out
+
+
+def clean(data: Any, *, batch_dims: int | None = None, **options: Any) -> Any:
+    """Cleans auto-reset data in one go; held rows are flushed at the end.
+
+    Args:
+        data: a TensorDict, or a (nested) dict of numpy arrays or torch
+            tensors with keys like ``"observation"`` and
+            ``{"next": {"observation", "reward", "done"}}`` (tuple keys such
+            as ``("next", "done")`` work too).
+        batch_dims: for dicts, the number of batch dimensions; None infers it
+            from the done array (a trailing dimension of size 1 is a feature
+            dimension).
+        **options: the options of :class:`cleanbuf.AutoresetFilter`, ``mode``
+            included (default "next_step").
+
+    Returns:
+        Flat cleaned rows, as a TensorDict for a TensorDict and as a nested
+        dict of the same array kind for a dict.
+
+    Examples:
+        >>> import numpy as np
+        >>> data = {  # one stream; done at t=1, reset row at t=2
+        ...     "observation": np.array([0.0, 1.0, 2.0, 10.0], np.float32),
+        ...     "next": {
+        ...         "observation": np.array([1.0, 2.0, 2.0, 11.0], np.float32),
+        ...         "reward": np.array([1.0, 1.0, 0.0, 1.0], np.float32),
+        ...         "done": np.array([False, True, False, False]),
+        ...     },
+        ... }
+        >>> out = clean(data, layout="time_last")
+        >>> out["next"]["observation"].tolist()
+        [1.0, 2.0, 11.0]
+    """
+    as_dict = isinstance(data, Mapping) and not isinstance(data, TensorDictBase)
+    if as_dict:
+        td, as_numpy = _to_td(data, batch_dims)
+    else:
+        td, as_numpy = data, False
+    cleaner = Cleaner(Options.build(**options))
+    out = cleaner(td)
+    rest = cleaner.flush()
+    if rest.batch_size[0]:
+        out = torch.cat([out, rest])
+    return _to_dict(out, as_numpy) if as_dict else out

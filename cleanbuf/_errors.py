@@ -1,0 +1,28 @@
+"""Exceptions raised by cleanbuf.
+
+Every error names the key, what was expected, what came, and the fix. All are
+``ValueError`` subclasses so that ``except ValueError`` keeps working, and a
+call that raises one changes no state and writes nothing.
+"""
+
+from __future__ import annotations
+
+
+class CleanbufError(ValueError):
+    """Base class of every error cleanbuf raises on bad input or configuration."""
+
+
+class LayoutError(CleanbufError):
+    """The batch layout is ambiguous, undeclared, or changed between calls."""
+
+
+class InputError(CleanbufError):
+    """A key is missing, or a shape or dtype is not what the cleaner needs."""
+
+
+class ResetRowError(CleanbufError):
+    """A supposed reset row does not look like one: the configuration is wrong."""
+
+
+class TerminalObservationLostError(CleanbufError):
+    """A terminal observation is lost and the policy says to raise (or none was chosen)."""

@@ -1,0 +1,161 @@
+"""Validated, immutable cleaner options, and the mode names they accept."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tensordict import NestedKey, unravel_key
+
+from cleanbuf._errors import CleanbufError
+
+MODES = ("next_step", "same_step", "disabled")
+LAYOUTS = ("time_last", "step", "stream_key")
+LOST_POLICIES = ("nan", "drop", "raise", "keep")
+
+# Gymnasium's AutoresetMode values, so that the enum works without importing
+# gymnasium here.
+_GYMNASIUM_MODE_VALUES = {
+    "NextStep": "next_step",
+    "SameStep": "same_step",
+    "Disabled": "disabled",
+}
+
+
+def normalize_mode(mode: Any) -> str:
+    """Maps a mode name or a ``gymnasium.vector.AutoresetMode`` to a mode name.
+
+    Args:
+        mode: "next_step", "same_step", "disabled", or an ``AutoresetMode``.
+
+    Returns:
+        One of :data:`MODES`.
+
+    Examples:
+        >>> normalize_mode("next_step")
+        'next_step'
+        >>> import gymnasium
+        >>> normalize_mode(gymnasium.vector.AutoresetMode.SAME_STEP)
+        'same_step'
+    """
+    value = getattr(mode, "value", mode)
+    if isinstance(value, str):
+        if value in MODES:
+            return value
+        if value in _GYMNASIUM_MODE_VALUES:
+            return _GYMNASIUM_MODE_VALUES[value]
+    raise CleanbufError(
+        f"mode={mode!r} is not a known auto-reset mode. Pass one of {MODES} or a "
+        "gymnasium.vector.AutoresetMode member, or build the filter with "
+        "AutoresetFilter.for_env(env) to read it from the producer."
+    )
+
+
+def _key(key: NestedKey | None) -> tuple | None:
+    if key is None:
+        return None
+    key = unravel_key(key)
+    return key if isinstance(key, tuple) else (key,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Everything a :class:`~cleanbuf.Cleaner` is configured with.
+
+    See :class:`cleanbuf.AutoresetFilter` for the meaning of each field.
+    """
+
+    mode: str = "next_step"
+    layout: str | None = None
+    stream_key: tuple | None = None
+    joint_reset: bool = False
+    reset_group_size: int | None = None
+    on_lost_terminal_obs: str | None = None
+    terminal_obs_in_done_row: bool | None = None
+    check_reset_rows: bool = True
+    observation_keys: tuple | None = None
+    done_key: tuple | None = None
+    reward_key: tuple | None = ("next", "reward")
+    is_init_key: tuple | None = ("is_init",)
+    step_count_key: tuple | None = ("step_count",)
+
+    @classmethod
+    def build(cls, mode: Any = "next_step", **kwargs: Any) -> "Options":
+        """Validates user options and returns them normalized.
+
+        Args:
+            mode: the auto-reset mode (see :func:`normalize_mode`).
+            **kwargs: the other fields of :class:`Options`.
+
+        Returns:
+            The options.
+
+        Raises:
+            CleanbufError: an unknown option or an invalid value.
+
+        Examples:
+            >>> Options.build("next_step", layout="step").layout
+            'step'
+        """
+        names = {f.name for f in dataclasses.fields(cls)} - {"mode"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise CleanbufError(
+                f"unknown option(s) {unknown}; the options are {sorted(names)}."
+            )
+        mode = normalize_mode(mode)
+        stream_key = _key(kwargs.pop("stream_key", None))
+        layout = kwargs.pop("layout", None)
+        if layout is None and stream_key is not None:
+            layout = "stream_key"
+        if layout is not None and layout not in LAYOUTS:
+            raise CleanbufError(
+                f"layout={layout!r} is not known. Pass None (infer: [*E, T] time-last "
+                "collector batches, or one stream for a 1-D batch named ['time']), "
+                "'step' (each call is one step of E envs, batch [E]), or "
+                "stream_key=KEY (flat rows with a per-row stream id)."
+            )
+        if layout == "stream_key" and stream_key is None:
+            raise CleanbufError(
+                "layout='stream_key' needs stream_key=KEY, the key holding each row's "
+                "stream (env) id."
+            )
+        if layout != "stream_key" and stream_key is not None:
+            raise CleanbufError(
+                f"stream_key={stream_key!r} only goes with layout='stream_key' (or no "
+                f"layout); got layout={layout!r}."
+            )
+        policy = kwargs.get("on_lost_terminal_obs")
+        if policy is not None and policy not in LOST_POLICIES:
+            raise CleanbufError(
+                f"on_lost_terminal_obs={policy!r} is not known; pass one of "
+                f"{LOST_POLICIES}."
+            )
+        joint = bool(kwargs.get("joint_reset", False))
+        group = kwargs.get("reset_group_size")
+        if group is not None and (not joint or int(group) < 1):
+            raise CleanbufError(
+                f"reset_group_size={group!r} needs joint_reset=True and a positive "
+                "number of streams per reset group."
+            )
+        if joint and layout == "stream_key":
+            raise CleanbufError(
+                "joint_reset=True needs time-aligned streams (layout None or 'step'); "
+                "with layout='stream_key' the rows of one step cannot be told apart. "
+                "Extend the buffer with the collector's [*E, T] batches instead."
+            )
+        obs_keys = kwargs.pop("observation_keys", None)
+        if obs_keys is not None:
+            if isinstance(obs_keys, (str, tuple)) and not isinstance(obs_keys, list):
+                obs_keys = [obs_keys]
+            obs_keys = tuple(_key(k) for k in obs_keys)
+        for name in ("done_key", "reward_key", "is_init_key", "step_count_key"):
+            if name in kwargs:
+                kwargs[name] = _key(kwargs[name])
+        return cls(
+            mode=mode,
+            layout=layout,
+            stream_key=stream_key,
+            observation_keys=obs_keys,
+            **kwargs,
+        )

@@ -1,0 +1,109 @@
+"""Reading a producer's auto-reset behaviour, for ``AutoresetFilter.for_env``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cleanbuf._errors import CleanbufError
+from cleanbuf._options import normalize_mode
+
+
+def _gym_mode(vec_env: Any) -> str:
+    mode = getattr(vec_env, "autoreset_mode", None)
+    if mode is None:
+        mode = getattr(vec_env, "metadata", {}).get("autoreset_mode")
+    if mode is None:
+        raise CleanbufError(
+            f"{type(vec_env).__name__} does not say its auto-reset mode (no "
+            "autoreset_mode attribute or metadata entry). Pass mode= explicitly."
+        )
+    return normalize_mode(mode)
+
+
+def _is_envpool(env: Any) -> bool:
+    return any(c.__module__.startswith("envpool") for c in type(env).__mro__)
+
+
+def _is_gym_vector(env: Any) -> bool:
+    try:
+        import gymnasium
+    except ImportError:
+        return False
+    return isinstance(env, gymnasium.vector.VectorEnv)
+
+
+def _torchrl_options(env: Any) -> tuple[dict, str]:
+    from torchrl.envs import BatchedEnvBase, GymWrapper, TransformedEnv
+
+    inner = env
+    while isinstance(inner, TransformedEnv):
+        inner = inner.base_env
+    if isinstance(inner, BatchedEnvBase):
+        worker_shape = tuple(inner.batch_size[1:])
+        if not worker_shape:
+            return {"mode": "disabled"}, f"{type(inner).__name__} of single envs (explicit resets)"
+        fn = inner.create_env_fn[0]
+        kwargs = inner.create_env_kwargs[0] if inner.create_env_kwargs else {}
+        probe = fn(**kwargs)
+        try:
+            opts, why = _torchrl_options(probe)
+        finally:
+            probe.close()
+        if opts.get("joint_reset"):
+            n = 1
+            for d in worker_shape:
+                n *= int(d)
+            opts["reset_group_size"] = n
+        return opts, f"{type(inner).__name__} workers: {why}"
+    if isinstance(inner, GymWrapper):
+        if not inner._is_batched:
+            return {"mode": "disabled"}, "single GymWrapper env (explicit resets)"
+        vec = inner._env
+        mode = _gym_mode(vec) if _is_gym_vector(vec) else "same_step"
+        if mode != "next_step":
+            return (
+                {"mode": "disabled"},
+                f"GymWrapper over a {mode} vector env (TorchRL repairs it)",
+            )
+        return (
+            {"mode": "next_step", "joint_reset": True},
+            "TorchRL GymWrapper over a next-step vector env (joint reset)",
+        )
+    raise CleanbufError(
+        f"cannot read the auto-reset behaviour of TorchRL env {type(inner).__name__}; "
+        "pass mode= (and joint_reset=) explicitly."
+    )
+
+
+def options_for_env(env: Any) -> tuple[dict, str]:
+    """Returns the filter options that fit ``env``, and a short reason.
+
+    Args:
+        env: a TorchRL env, a Gymnasium ``VectorEnv`` or an EnvPool env.
+
+    Returns:
+        ``(options, reason)``.
+
+    Raises:
+        CleanbufError: unknown producer.
+
+    Examples:
+        >>> import gymnasium as gym
+        >>> venv = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
+        >>> options_for_env(venv)[0]
+        {'mode': 'next_step', 'layout': 'step'}
+    """
+    module = type(env).__module__
+    if module.startswith("torchrl"):
+        return _torchrl_options(env)
+    if _is_envpool(env):
+        return {"mode": "next_step", "layout": "step"}, "EnvPool env (next-step)"
+    if _is_gym_vector(env):
+        mode = _gym_mode(env)
+        opts = {"mode": mode, "layout": "step"}
+        return opts, f"Gymnasium {type(env).__name__} ({mode})"
+    raise CleanbufError(
+        f"cannot tell how {type(env).__name__} (module {module}) auto-resets. Build the "
+        "filter with an explicit mode: AutoresetFilter('next_step' | 'same_step' | "
+        "'disabled', ...)."
+    )

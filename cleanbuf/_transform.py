@@ -1,0 +1,206 @@
+"""The TorchRL replay-buffer transform: a thin shell over the cleaner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensordict import TensorDictBase
+from torchrl.envs.transforms import Transform
+
+from cleanbuf._cleaner import Cleaner
+from cleanbuf._options import Options
+
+
+class AutoresetFilter(Transform):
+    """Removes auto-reset artifacts from data as it is written to a replay buffer.
+
+    Use it as ``ReplayBuffer(..., transform=AutoresetFilter(...))`` (also
+    inside a ``Compose``). ``rb.extend(batch)`` and ``rb.add(row)`` store
+    cleaned rows; ``rb.sample()`` is untouched. The collector does not change.
+
+    **Core rule (next-step mode).** A vector env in next-step auto-reset mode
+    (Gymnasium >= 1.0 default, EnvPool, TorchRL ``GymEnv(name, num_envs=N)``)
+    emits, after each done row, a reset row: observation = the terminal
+    observation, reward 0, not done, next observation = the first observation
+    of the new episode. For each stream the filter drops that reset row,
+    writes its observation into the done row's ``("next", obs)`` (the
+    terminal observation, which TorchRL zero-fills), sets ``is_init`` on the
+    new episode's first row, subtracts the step the reset row consumed from
+    ``step_count`` / ``("next", "step_count")``, and passes every other key
+    through. A done row whose reset row is not in the same call is held and
+    emitted by the call that brings it (or by :meth:`flush`). The output is
+    flat rows ``[M]``: a 1-D storage stores rows.
+
+    **Joint resets.** TorchRL's ``GymEnv(num_envs=N)`` performs a real reset
+    when all N envs are done at the same step. No reset row follows then, and
+    the terminal observations of those done rows are gone. With
+    ``joint_reset=True`` the filter knows this, does not hold those rows, and
+    applies ``on_lost_terminal_obs`` to them. :meth:`for_env` sets it.
+
+    **Honest failure modes.** A supposed reset row with a nonzero reward or
+    a done flag raises :class:`~cleanbuf.ResetRowError` (wrong mode or
+    flavour, or a reward transform that moves 0: ``check_reset_rows=False``).
+    A lost terminal observation is NaN by default (floating observations),
+    counted in ``stats["terminal_obs_missing"]``; integer observations need an
+    explicit ``on_lost_terminal_obs``. Any error leaves the filter's state
+    and the buffer unchanged.
+
+    Args:
+        mode: "next_step", "same_step" (not implemented yet), "disabled"
+            (validate and pass through), or a ``gymnasium.vector.AutoresetMode``.
+
+    Keyword Args:
+        layout: None to infer (``[*E, T]`` time-last collector batches, a
+            1-D batch named ``["time"]`` or of length one as one stream),
+            "step" (each call is one step of E envs, batch ``[E]``), or
+            "stream_key" with ``stream_key``.
+        stream_key: key of a per-row stream id, for flat rows.
+        joint_reset: the producer resets a whole reset group when all its
+            envs are done at once (TorchRL ``GymEnv(num_envs=N)``).
+        reset_group_size: streams per reset group (consecutive in C order);
+            None means all streams of a call.
+        on_lost_terminal_obs: "nan", "drop", "raise" or "keep". None (the
+            default) is "nan" for floating observations and an error for
+            integer ones.
+        terminal_obs_in_done_row: whether the producer stores the terminal
+            observation in the done row itself (raw Gymnasium and EnvPool
+            loops do; TorchRL zero-fills it). Decides whether :meth:`flush`
+            counts the held rows' terminal observations as lost. None: True
+            except for the time-last (collector) layout.
+        check_reset_rows: check that each reset row has reward 0 and is not
+            done.
+        observation_keys: list of observation keys; None discovers every key
+            present at the root and under "next" (done, reward and
+            bookkeeping keys excluded).
+        done_key: the done key; None uses ``("next", "done")``, else
+            ``("next", "terminated") | ("next", "truncated")``.
+        reward_key: the reward key for the reset-row check.
+        is_init_key: the ``InitTracker`` key (None to leave it alone).
+        step_count_key: the ``StepCounter`` key (None to leave it alone).
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> from cleanbuf import AutoresetFilter
+        >>> filt = AutoresetFilter("next_step")
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=filt)
+        >>> batch = TensorDict({  # [E=1, T=4]: done at t=1, reset row at t=2
+        ...     "observation": torch.tensor([[[0.0], [1.0], [2.0], [10.0]]]),
+        ...     ("next", "observation"): torch.tensor([[[1.0], [0.0], [10.0], [11.0]]]),
+        ...     ("next", "reward"): torch.tensor([[[1.0], [1.0], [0.0], [1.0]]]),
+        ...     ("next", "done"): torch.tensor([[[False], [True], [False], [False]]]),
+        ... }, batch_size=[1, 4])
+        >>> _ = rb.extend(batch)
+        >>> len(rb), rb[:]["next", "observation"].flatten().tolist()
+        (3, [1.0, 2.0, 11.0])
+        >>> filt.stats["reset_rows_dropped"]
+        1
+    """
+
+    def __init__(self, mode: Any = "next_step", **options: Any):
+        super().__init__(in_keys=[], out_keys=[])
+        self._cleaner = Cleaner(Options.build(mode, **options))
+        self._bypass = False
+        self._origin = None
+
+    @classmethod
+    def for_env(cls, env: Any, **overrides: Any) -> "AutoresetFilter":
+        """Builds a filter configured for the producer ``env``.
+
+        Reads the auto-reset behaviour from TorchRL ``GymEnv`` /
+        ``GymWrapper`` (also inside ``TransformedEnv``, and ``ParallelEnv`` /
+        ``SerialEnv`` of them, where each worker is its own reset group), a
+        Gymnasium ``VectorEnv`` or an EnvPool env.
+
+        Args:
+            env: the producer.
+            **overrides: options that replace what was read from ``env``.
+
+        Returns:
+            The filter. Its repr says how it was configured.
+
+        Raises:
+            CleanbufError: the producer is unknown; pass an explicit mode.
+        """
+        from cleanbuf._producers import options_for_env
+
+        options, why = options_for_env(env)
+        options.update(overrides)
+        filt = cls(**options)
+        filt._origin = why
+        return filt
+
+    @property
+    def options(self) -> Options:
+        """The filter's options."""
+        return self._cleaner.options
+
+    @property
+    def stats(self) -> dict:
+        """Counters: ``rows_in``, ``rows_out``, ``reset_rows_dropped``,
+        ``next_obs_restitched``, ``terminal_obs_missing``,
+        ``lost_rows_dropped``, ``rows_held``, ``episodes_completed``."""
+        return self._cleaner.stats
+
+    def flush(self, rb: Any = None) -> TensorDictBase | None:
+        """Releases the held rows, at the end of collection.
+
+        ``filt.flush(rb)`` writes them into ``rb`` (bypassing this filter,
+        so they are stored exactly once); ``filt.flush()`` returns them.
+
+        Args:
+            rb: a replay buffer, or None.
+
+        Returns:
+            The held rows (flat), or None when written to ``rb``.
+        """
+        if rb is None:
+            return self._cleaner.flush()
+        state = self._cleaner.state_dict()
+        rows = self._cleaner.flush()
+        if rows.batch_size[0] == 0:
+            return None
+        self._bypass = True
+        try:
+            rb.extend(rows)
+        except BaseException:
+            self._cleaner.load_state_dict(state)
+            raise
+        finally:
+            self._bypass = False
+        return None
+
+    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
+        if self._bypass:
+            return tensordict
+        if self.parent is not None:
+            raise RuntimeError(
+                "AutoresetFilter is a replay-buffer transform: put it in "
+                "ReplayBuffer(transform=...), not in an environment."
+            )
+        return self._cleaner(tensordict)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        return tensordict
+
+    def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
+        return next_tensordict
+
+    def get_extra_state(self) -> dict:
+        return self._cleaner.state_dict()
+
+    def set_extra_state(self, state: dict) -> None:
+        self._cleaner.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        o = self.options
+        parts = [f"mode={o.mode!r}"]
+        if o.layout is not None:
+            parts.append(f"layout={o.layout!r}")
+        if o.joint_reset:
+            parts.append(f"joint_reset=True, reset_group_size={o.reset_group_size}")
+        origin = getattr(self, "_origin", None)
+        if origin:
+            parts.append(f"from={origin!r}")
+        return f"{type(self).__name__}({', '.join(parts)})"
