@@ -33,7 +33,8 @@ def _is_gym_vector(env: Any) -> bool:
 
 
 def _torchrl_options(env: Any) -> tuple[dict, str]:
-    from torchrl.envs import BatchedEnvBase, GymWrapper, TransformedEnv
+    from torchrl.envs import GymWrapper, TransformedEnv
+    from torchrl.envs.batched_envs import BatchedEnvBase
 
     inner = env
     while isinstance(inner, TransformedEnv):

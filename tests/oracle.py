@@ -1,0 +1,124 @@
+"""Runs the same env with auto-reset and with explicit resets, for oracle tests.
+
+The oracle (DESIGN.md, "The definition of clean") is the same environment
+under Gymnasium ``AutoresetMode.DISABLED`` with explicit resets, same seeds,
+same deterministic policy. Helpers here run both and compare per stream.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import gymnasium as gym
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torchrl.collectors import Collector
+from torchrl.envs import Compose, GymEnv, GymWrapper, InitTracker, StepCounter, TransformedEnv
+
+STREAM = "env_id"
+TRAJ = ("collector", "traj_ids")
+
+
+def push_left_policy(td):
+    """Deterministic policy: always push left (CartPole ends in ~10 steps).
+
+    It also writes each row's env index, so stored rows can be grouped by
+    stream after the buffer has flattened them.
+    """
+    batch = td.batch_size
+    action = torch.zeros(*batch, 2)
+    action[..., 0] = 1.0
+    td.set("action", action)
+    td.set(STREAM, torch.arange(batch[-1]).expand(batch).clone())
+    return td
+
+
+def make_env(env_name, num_envs, max_episode_steps=None, disabled=False):
+    """A TorchRL env with StepCounter and InitTracker.
+
+    ``disabled=False``: ``GymEnv(name, num_envs=N)`` (next-step, joint reset).
+    ``disabled=True``: ``GymWrapper`` over a Gymnasium sync vector env in
+    ``AutoresetMode.DISABLED`` (explicit partial resets: the oracle).
+    """
+    kwargs = {} if max_episode_steps is None else {"max_episode_steps": max_episode_steps}
+    if disabled:
+        venv = gym.vector.SyncVectorEnv(
+            [functools.partial(gym.make, env_name, **kwargs)] * num_envs,
+            autoreset_mode=gym.vector.AutoresetMode.DISABLED,
+        )
+        base = GymWrapper(venv)
+    else:
+        base = GymEnv(env_name, num_envs=num_envs, **kwargs)
+    env = TransformedEnv(base, Compose(StepCounter(), InitTracker()))
+    env.set_seed(0)
+    return env
+
+
+def collect(env, frames_per_batch, total_frames, replay_buffer=None):
+    """Runs a Collector; returns its batches (none when it writes to a buffer)."""
+    collector = Collector(
+        env,
+        push_left_policy,
+        frames_per_batch=frames_per_batch,
+        total_frames=total_frames,
+        replay_buffer=replay_buffer,
+    )
+    batches = [b.clone() for b in collector if b is not None]
+    collector.shutdown()
+    return batches
+
+
+def streams_from_batches(batches):
+    """Per-stream rows of collector batches [E, T]: {env: TensorDict [L]}."""
+    data = torch.cat(batches, dim=1)
+    return {e: data[e] for e in range(data.shape[0])}
+
+
+def streams_from_rows(rows):
+    """Per-stream rows of flat stored rows, storage order kept."""
+    ids = rows[STREAM].reshape(-1)
+    return {int(e): rows[ids == e] for e in ids.unique()}
+
+
+def same_partition(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when two label sequences split the rows into the same groups in order."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    return bool(((a[1:] != a[:-1]) == (b[1:] != b[:-1])).all())
+
+
+def compare_streams(cleaned: dict, oracle: dict, min_rows: int):
+    """Asserts cleaned == oracle row for row within each stream.
+
+    Lost terminal observations must be NaN in the cleaned data (and only on
+    done rows); they are returned, counted, for the caller to check against
+    the stats. Trajectory ids are compared as a partition (their numbering
+    depends on the order in which episodes end across envs).
+
+    Returns:
+        The number of NaN-marked terminal observations in the compared rows.
+    """
+    assert set(cleaned) == set(oracle)
+    n_lost = 0
+    for e in oracle:
+        c, o = cleaned[e], oracle[e]
+        n = min(len(c), len(o))
+        assert n >= min_rows, f"stream {e}: only {n} rows to compare"
+        c, o = c[:n], o[:n]
+        keys_c = set(c.keys(True, True))
+        keys_o = set(o.keys(True, True))
+        assert keys_c == keys_o, (keys_c ^ keys_o)
+        for key in keys_o:
+            if key == TRAJ:
+                assert same_partition(c[key], o[key]), f"stream {e}: traj ids"
+                continue
+            x, y = c[key], o[key]
+            if key == ("next", "observation"):
+                lost = torch.isnan(x).any(-1)
+                assert c["next", "done"].reshape(-1)[lost].all(), "NaN on a non-done row"
+                n_lost += int(lost.sum())
+                x, y = x[~lost], y[~lost]
+            assert torch.equal(x, y), f"stream {e}: key {key} differs at rows " + str(
+                (x != y).reshape(len(x), -1).any(-1).nonzero().flatten()[:10].tolist()
+            )
+    return n_lost
