@@ -42,7 +42,10 @@ class Runs:
 
 
 def _bytes(x: torch.Tensor) -> np.ndarray:
+    # x is contiguous; size-1 dimensions may still carry odd strides, which
+    # the byte view refuses, so the row-major strides are spelled out.
     flat = x.reshape(x.shape[0], -1)
+    flat = flat.as_strided(flat.shape, (flat.shape[1], 1))
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     return flat.view(torch.uint8).numpy()
