@@ -29,7 +29,10 @@ class AutoresetFilter(Transform):
     ``step_count`` / ``("next", "step_count")``, and passes every other key
     through. A done row whose reset row is not in the same call is held and
     emitted by the call that brings it (or by :meth:`flush`). The output is
-    flat rows ``[M]``: a 1-D storage stores rows.
+    flat rows ``[M]``: a 1-D storage stores rows. A call that leaves no row
+    returns None, which the buffer stores as nothing. Inside a ``Compose``
+    the write path runs the transforms from last to first; a transform that
+    runs after this filter there receives that None and must accept it.
 
     **Joint resets.** TorchRL's ``GymEnv(num_envs=N)`` performs a real reset
     when all N envs are done at the same step. No reset row follows then, and
@@ -179,7 +182,10 @@ class AutoresetFilter(Transform):
                 "AutoresetFilter is a replay-buffer transform: put it in "
                 "ReplayBuffer(transform=...), not in an environment."
             )
-        return self._cleaner(tensordict)
+        out = self._cleaner(tensordict)
+        # ReplayBuffer.extend / add store nothing for None (their writers
+        # reject an empty batch).
+        return out if out.batch_size[0] else None
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         return tensordict
