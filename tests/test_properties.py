@@ -18,33 +18,8 @@ from tensordict import TensorDict
 
 from cleanbuf import AutoresetFilter
 from cleanbuf._kernels import index_runs
+from tests.batches import KEYS, grid_td
 from tests.reference import FIELDS, reference_clean, simulate
-
-KEYS = {
-    "obs": ("observation",),
-    "next_obs": ("next", "observation"),
-    "reward": ("next", "reward"),
-    "done": ("next", "done"),
-    "is_init": ("is_init",),
-    "step_count": ("step_count",),
-    "next_step_count": ("next", "step_count"),
-    "payload": ("action",),
-}
-DTYPES = {"done": torch.bool, "is_init": torch.bool, "step_count": torch.int64,
-          "next_step_count": torch.int64}
-
-
-def grid_td(raw, stream_shape):
-    """Raw rows of equal-length streams as a TensorDict [*E, T]."""
-    steps = len(raw[0])
-    td = TensorDict(batch_size=[*stream_shape, steps])
-    for f, key in KEYS.items():
-        vals = [[r[f] for r in rows] for rows in raw]
-        t = torch.tensor(vals, dtype=DTYPES.get(f, torch.float32))
-        td.set(key, t.reshape(*stream_shape, steps, 1))
-    td.set("stream", torch.arange(len(raw)).reshape(*stream_shape, 1).expand(*stream_shape, steps).clone())
-    return td
-
 
 def rows_by_stream(out_tds):
     """Concatenates flat outputs and splits them by the 'stream' key, order kept."""

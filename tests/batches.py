@@ -1,0 +1,40 @@
+"""Synthetic next-step batches as TensorDicts (from ``tests.reference.simulate``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from tests.reference import simulate
+
+KEYS = {
+    "obs": ("observation",),
+    "next_obs": ("next", "observation"),
+    "reward": ("next", "reward"),
+    "done": ("next", "done"),
+    "is_init": ("is_init",),
+    "step_count": ("step_count",),
+    "next_step_count": ("next", "step_count"),
+    "payload": ("action",),
+}
+DTYPES = {"done": torch.bool, "is_init": torch.bool, "step_count": torch.int64,
+          "next_step_count": torch.int64}
+
+
+def grid_td(raw, stream_shape):
+    """Raw rows of equal-length streams as a TensorDict [*E, T]."""
+    steps = len(raw[0])
+    td = TensorDict(batch_size=[*stream_shape, steps])
+    for f, key in KEYS.items():
+        vals = [[r[f] for r in rows] for rows in raw]
+        t = torch.tensor(vals, dtype=DTYPES.get(f, torch.float32))
+        td.set(key, t.reshape(*stream_shape, steps, 1))
+    td.set("stream", torch.arange(len(raw)).reshape(*stream_shape, 1).expand(*stream_shape, steps).clone())
+    return td
+
+
+def next_step_batch(n_streams=2, steps=12, seed=0, **kwargs):
+    """A [n_streams, steps] next-step batch with episode ends (zero-filled)."""
+    raw, _ = simulate(np.random.default_rng(seed), n_streams, steps, max_len=4, **kwargs)
+    return grid_td(raw, (n_streams,))

@@ -1,0 +1,209 @@
+"""Bad input: each error names the key, what was expected and what came, and
+the fix; the failed call changes no state and writes nothing to the buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+from cleanbuf import (
+    AutoresetFilter,
+    CleanbufError,
+    InputError,
+    LayoutError,
+    ResetRowError,
+    TerminalObservationLostError,
+    clean,
+)
+from tests.batches import next_step_batch
+
+
+def _state_equal(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_state_equal(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def _primed(**options):
+    """A buffer with a filter that already holds rows (non-trivial state).
+
+    The filter keeps the continuation of the primed streams in ``filt.rest``,
+    for checking that it still works after a rejected call."""
+    for seed in range(100):
+        filt = AutoresetFilter("next_step", **options)
+        rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+        both = next_step_batch(2, 24, seed)
+        rb.extend(both[:, :12])
+        if filt.stats["rows_held"]:
+            filt.rest = both[:, 12:]
+            return filt, rb
+    raise AssertionError("no seed leaves a held row")
+
+
+def assert_rejected(filt, rb, bad, error, *fragments):
+    """Extends with a bad batch; checks the error, its message, and that
+    neither the filter's state nor the buffer changed."""
+    state, n = filt.state_dict(), len(rb)
+    with pytest.raises(error) as info:
+        rb.extend(bad)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in: {message}"
+    assert _state_equal(filt.state_dict(), state), "a failed call changed the state"
+    assert len(rb) == n, "a failed call wrote to the buffer"
+    # The filter still works after the error: the held rows are released.
+    rb.extend(filt.rest)
+    assert filt.stats["rows_in"] == 48
+    return message
+
+
+def test_missing_done_key():
+    """Bug caught: data without any done key cleaned as if nothing ever ended."""
+    filt, rb = _primed()
+    bad = next_step_batch(2, 12, 1).exclude(("next", "done"))
+    assert_rejected(filt, rb, bad, InputError, "no done key", "('next', 'done')", "done_key=")
+
+
+def test_missing_observation_key():
+    """Bug caught: observation-only data passed through with no next
+    observation and no error."""
+    filt, rb = _primed()
+    bad = next_step_batch(2, 12, 1).exclude(("next", "observation"))
+    assert_rejected(filt, rb, bad, InputError, "no observation key", "observation_keys=")
+
+
+def test_declared_observation_key_missing():
+    """Bug caught: a typo in observation_keys silently ignored."""
+    filt = AutoresetFilter("next_step", observation_keys=["pixels"])
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+    with pytest.raises(InputError, match="'pixels' is missing.*observation_keys="):
+        rb.extend(next_step_batch(2, 12, 1))
+    assert len(rb) == 0 and filt.stats["rows_in"] == 0
+
+
+def test_done_not_boolean():
+    """Bug caught: a float done (0.0 / 1.0) used as a mask or truthiness."""
+    filt, rb = _primed()
+    bad = next_step_batch(2, 12, 1)
+    bad.set(("next", "done"), bad["next", "done"].float())
+    assert_rejected(filt, rb, bad, InputError, "('next', 'done')", "torch.bool", "torch.float32", ".bool()")
+
+
+def test_done_with_several_flags_per_row():
+    """Bug caught: a per-agent done [.., 2] flattened into twice the rows."""
+    filt, rb = _primed()
+    bad = next_step_batch(2, 12, 1)
+    bad.set(("next", "done"), bad["next", "done"].expand(2, 12, 2).clone())
+    assert_rejected(filt, rb, bad, InputError, "one flag per row", "[2]", "done_key=")
+
+
+def test_observation_and_next_observation_shapes_differ():
+    """Bug caught: re-stitching an observation into a next observation of
+    another shape (broadcast or truncated silently)."""
+    filt, rb = _primed(observation_keys=["observation"])
+    bad = next_step_batch(2, 12, 1)
+    bad.set(("next", "observation"), torch.zeros(2, 12, 3))
+    assert_rejected(filt, rb, bad, InputError, "'observation'", "[24, 1]", "[24, 3]")
+
+
+def test_stream_count_changes_between_calls():
+    """Bug caught: a held row of env 1 released into another env's stream
+    after the env count changed."""
+    filt, rb = _primed()
+    assert_rejected(filt, rb, next_step_batch(3, 12, 1), LayoutError, "[2]", "[3]", "flush()")
+
+
+def test_flattened_collector_batch_is_ambiguous():
+    """Bug caught: data.reshape(-1) of [E, T] cleaned as one stream, which
+    stitches env 1's observation into env 0's done row."""
+    filt, rb = _primed()
+    bad = next_step_batch(2, 12, 1).reshape(-1)
+    assert_rejected(filt, rb, bad, LayoutError, "reshape(-1)", "layout='step'", "stream_key=")
+
+
+def test_step_layout_rejects_time_batches():
+    """Bug caught: an [E, T] batch read as T*E independent steps."""
+    filt = AutoresetFilter("next_step", layout="step")
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+    state = filt.state_dict()
+    with pytest.raises(LayoutError, match="layout='step' expects"):
+        rb.extend(next_step_batch(2, 12, 1))
+    assert _state_equal(filt.state_dict(), state) and len(rb) == 0
+
+
+def test_integer_observation_lost_without_policy():
+    """Bug caught: a lost terminal frame of an integer (Atari-like)
+    observation filled with a silent garbage value (NaN cast to int)."""
+    filt = AutoresetFilter("next_step", joint_reset=True)
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+    bad = next_step_batch(2, 30, 3, group=2)
+    for key in ("observation", ("next", "observation")):
+        bad.set(key, bad[key].to(torch.uint8))
+    state = filt.state_dict()
+    with pytest.raises(TerminalObservationLostError) as info:
+        rb.extend(bad)
+    msg = str(info.value)
+    assert "'observation'" in msg and "'drop'" in msg and "'keep'" in msg
+    assert _state_equal(filt.state_dict(), state) and len(rb) == 0
+    kept = AutoresetFilter("next_step", joint_reset=True, on_lost_terminal_obs="keep")
+    rb2 = ReplayBuffer(storage=LazyTensorStorage(1000), transform=kept)
+    rb2.extend(bad)
+    assert kept.stats["terminal_obs_missing"] > 0 and len(rb2) == kept.stats["rows_out"]
+
+
+def test_nan_policy_on_integer_observation():
+    """Bug caught: on_lost_terminal_obs='nan' honoured on uint8 (NaN -> 0)."""
+    filt = AutoresetFilter("next_step", joint_reset=True, on_lost_terminal_obs="nan")
+    bad = next_step_batch(2, 30, 3, group=2)
+    bad.set(("next", "observation"), bad["next", "observation"].to(torch.int64))
+    bad.set("observation", bad["observation"].to(torch.int64))
+    with pytest.raises(InputError, match="cannot mark"):
+        filt.inv(bad)
+
+
+def test_joint_reset_data_with_a_plain_filter():
+    """Bug caught: the real transition after a joint reset dropped as if it
+    were a reset row (reward 1, so the signature check must fire)."""
+    filt, rb = _primed()
+    bad = next_step_batch(2, 30, 3, group=2)
+    assert_rejected(filt, rb, bad, ResetRowError, "nonzero reward", "joint_reset=True",
+                    "check_reset_rows=False", "for_env")
+
+
+def test_unknown_producer():
+    """Bug caught: guessing a mode for an env we do not know."""
+    with pytest.raises(CleanbufError, match="explicit mode"):
+        AutoresetFilter.for_env(object())
+
+
+def test_same_step_not_implemented_yet():
+    """Bug caught: same-step data passed through as if it were clean."""
+    filt = AutoresetFilter("same_step")
+    with pytest.raises(NotImplementedError, match="same_step"):
+        filt.inv(next_step_batch(2, 12, 1))
+
+
+def test_bad_options():
+    """Bug caught: a misspelt option or mode silently ignored."""
+    with pytest.raises(CleanbufError, match="unknown option"):
+        AutoresetFilter("next_step", joint_rest=True)
+    with pytest.raises(CleanbufError, match="not a known auto-reset mode"):
+        AutoresetFilter("nextstep")
+    with pytest.raises(CleanbufError, match="layout="):
+        AutoresetFilter("next_step", layout="rows")
+
+
+def test_clean_dict_with_mismatched_batch_shapes():
+    """Bug caught: arrays of different lengths zipped into rows."""
+    data = {
+        "observation": np.zeros((5, 1), np.float32),
+        "next": {"observation": np.zeros((4, 1), np.float32),
+                 "reward": np.zeros((5, 1), np.float32),
+                 "done": np.zeros((5, 1), bool)},
+    }
+    with pytest.raises(InputError, match=r"\('next', 'observation'\)"):
+        clean(data, layout="time_last")
