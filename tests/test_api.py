@@ -1,0 +1,190 @@
+"""The public API around the cleaning rules: add(), clean(), state, Compose, for_env."""
+
+from __future__ import annotations
+
+import pickle
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, ListStorage, ReplayBuffer
+from torchrl.envs import Compose, GymEnv, GymWrapper, SerialEnv
+
+from cleanbuf import AutoresetFilter, clean
+from tests.batches import next_step_batch
+
+
+def test_add_one_row_at_a_time_equals_extend():
+    """rb.add(row) of a single stream, one transition per call. Bugs caught:
+    add() storing an [1]-batched element or a reset row, or losing the held
+    done row between add() calls."""
+    batch = next_step_batch(1, 30, 4)
+    whole = AutoresetFilter("next_step")
+    rb_whole = ReplayBuffer(storage=LazyTensorStorage(100), transform=whole)
+    rb_whole.extend(batch)
+    whole.flush(rb_whole)
+    one = AutoresetFilter("next_step")
+    rb_one = ReplayBuffer(storage=LazyTensorStorage(100), transform=one)
+    for t in range(30):
+        rb_one.add(batch[0, t])
+    one.flush(rb_one)
+    assert one.stats["reset_rows_dropped"] > 0
+    assert len(rb_one) == len(rb_whole) == one.stats["rows_out"]
+    a, b = rb_one[: len(rb_one)], rb_whole[: len(rb_whole)]
+    assert (a == b).all()
+
+
+def test_flush_writes_held_rows_once():
+    """Bugs caught: held rows never reaching the buffer, or reaching it twice
+    (flush going through the filter again, or a second flush repeating)."""
+    filt = AutoresetFilter("next_step")
+    rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=filt)
+    for seed in range(50):
+        batch = next_step_batch(2, 12, seed)
+        if batch["next", "done"][:, -1].any():
+            break
+    rb.extend(batch)
+    held = filt.stats["rows_held"]
+    assert held > 0 and len(rb) == filt.stats["rows_out"]
+    filt.flush(rb)
+    filt.flush(rb)
+    assert len(rb) == filt.stats["rows_out"] == filt.stats["rows_in"] - filt.stats["reset_rows_dropped"]
+    tail = rb[len(rb) - held: len(rb)]
+    assert tail["next", "done"].all()
+    # Collector data zero-fills the terminal observation: lost, NaN, counted.
+    assert torch.isnan(tail["next", "observation"]).all()
+    assert filt.stats["terminal_obs_missing"] == held
+
+
+def test_list_storage_rows_do_not_alias_the_batch():
+    """ListStorage keeps references. Bug caught: the filter returning views
+    of the caller's batch, so that the caller reusing its buffer rewrites
+    what was stored."""
+    filt = AutoresetFilter("next_step")
+    rb = ReplayBuffer(storage=ListStorage(100), transform=filt)
+    batch = next_step_batch(2, 12, 1)
+    original = batch.clone()
+    rb.extend(batch)
+    stored = torch.stack([rb[i] for i in range(len(rb))])
+    before = stored.clone()
+    batch.apply_(lambda x: x.zero_() if x.dtype != torch.bool else x)
+    stored = torch.stack([rb[i] for i in range(len(rb))])
+    assert (stored == before).all()
+    assert (original != batch).any()
+
+
+def test_filter_does_not_mutate_the_callers_batch():
+    """Bug caught: is_init / step_count / next observation patched in place
+    in the batch the collector handed over."""
+    batch = next_step_batch(2, 24, 2)
+    copy = batch.clone()
+    AutoresetFilter("next_step").inv(batch)
+    assert (batch == copy).all()
+
+
+def test_state_dict_via_replay_buffer_and_pickle():
+    """Bugs caught: the carry state missing from rb.state_dict() (a restored
+    buffer forgets the held rows and keeps a reset row), or the filter not
+    pickling."""
+    both = next_step_batch(3, 40, 5)
+    ref = AutoresetFilter("next_step")
+    ref_rb = ReplayBuffer(storage=LazyTensorStorage(200), transform=ref)
+    ref_rb.extend(both[:, :20])
+    ref_rb.extend(both[:, 20:])
+
+    filt = AutoresetFilter("next_step")
+    rb = ReplayBuffer(storage=LazyTensorStorage(200), transform=filt)
+    rb.extend(both[:, :20])
+    assert filt.stats["rows_held"] or filt.stats["reset_rows_dropped"]
+    saved = pickle.dumps(rb.state_dict())
+    restored_filter = pickle.loads(pickle.dumps(AutoresetFilter("next_step")))
+    rb2 = ReplayBuffer(storage=LazyTensorStorage(200), transform=restored_filter)
+    rb2.load_state_dict(pickle.loads(saved))
+    assert restored_filter.stats == filt.stats
+    rb2.extend(both[:, 20:])
+    assert len(rb2) == len(ref_rb)
+    assert (rb2[: len(rb2)] == ref_rb[: len(ref_rb)]).all()
+
+
+def test_inside_compose():
+    """Bug caught: the filter only working as the sole transform."""
+    filt = AutoresetFilter("next_step")
+    rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=Compose(filt))
+    rb.extend(next_step_batch(2, 12, 1))
+    assert len(rb) == filt.stats["rows_out"] > 0 and filt.stats["reset_rows_dropped"] > 0
+
+
+def test_clean_returns_the_kind_it_got():
+    """clean() on a TensorDict, a dict of numpy arrays and a dict of tensors.
+    Bugs caught: held rows not flushed at the end, numpy input returned as
+    tensors, results differing between the three kinds."""
+    batch = next_step_batch(2, 24, 3)
+    out_td = clean(batch)
+    assert isinstance(out_td, TensorDict)
+    assert out_td.batch_size[0] == batch.numel() - int((batch["next", "reward"] == 0).sum())
+    as_np = {k: v.numpy() for k, v in batch.flatten_keys("|").items()}
+    nested = {}
+    for k, v in as_np.items():
+        *head, last = k.split("|")
+        node = nested
+        for h in head:
+            node = node.setdefault(h, {})
+        node[last] = v
+    out_np = clean(nested)
+    assert isinstance(out_np["next"]["observation"], np.ndarray)
+    np.testing.assert_array_equal(out_np["next"]["observation"], out_td["next", "observation"].numpy())
+    tuple_keys = {("next", "done"): batch["next", "done"], ("next", "observation"): batch["next", "observation"],
+                  "observation": batch["observation"], ("next", "reward"): batch["next", "reward"]}
+    out_t = clean(tuple_keys)
+    assert isinstance(out_t["next"]["observation"], torch.Tensor)
+    torch.testing.assert_close(out_t["next"]["observation"], out_td["next", "observation"], rtol=0, atol=0, equal_nan=True)
+
+
+def test_disabled_mode_passes_through():
+    """Bug caught: clean data altered (rows dropped) in disabled mode."""
+    batch = next_step_batch(2, 12, 1)
+    filt = AutoresetFilter("disabled")
+    out = filt.inv(batch)
+    assert (out == batch.reshape(-1)).all()
+    assert filt.stats["rows_in"] == filt.stats["rows_out"] == 24
+
+
+def test_for_env_producers():
+    """for_env reads each producer's behaviour. Bugs caught: TorchRL's joint
+    reset flavour not set for GymEnv(num_envs), the reset group of a batched
+    env of vectorized workers taken as all envs, a TorchRL wrapper that
+    already repairs its data (DISABLED / SAME_STEP underneath) cleaned again,
+    a Gymnasium vector env's mode ignored."""
+    env = GymEnv("CartPole-v1", num_envs=2)
+    filt = AutoresetFilter.for_env(env)
+    assert (filt.options.mode, filt.options.joint_reset, filt.options.reset_group_size) == ("next_step", True, None)
+    env.close()
+
+    serial = SerialEnv(2, lambda: GymEnv("CartPole-v1", num_envs=3))
+    filt = AutoresetFilter.for_env(serial)
+    assert (filt.options.joint_reset, filt.options.reset_group_size) == (True, 3)
+    assert "SerialEnv" in repr(filt)
+    serial.close(raise_if_closed=False)
+
+    single = SerialEnv(2, lambda: GymEnv("CartPole-v1"))
+    assert AutoresetFilter.for_env(single).options.mode == "disabled"
+
+    for mode, expected in [("DISABLED", "disabled"), ("SAME_STEP", "disabled")]:
+        venv = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync",
+                            vector_kwargs={"autoreset_mode": getattr(gym.vector.AutoresetMode, mode)})
+        filt = AutoresetFilter.for_env(GymWrapper(venv))
+        assert filt.options.mode == expected
+        assert "TorchRL repairs it" in repr(filt)
+
+    same = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync",
+                        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+    assert AutoresetFilter.for_env(same).options.mode == "same_step"
+    assert AutoresetFilter.for_env(same, layout=None).options.layout is None
+
+
+def test_mode_accepts_gymnasium_enum():
+    """Bug caught: AutoresetMode.NEXT_STEP rejected or mapped to another mode."""
+    assert AutoresetFilter(gym.vector.AutoresetMode.NEXT_STEP).options.mode == "next_step"
+    assert AutoresetFilter(gym.vector.AutoresetMode.DISABLED).options.mode == "disabled"
