@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter
-from tests.oracle import STREAM, compare_streams, streams_from_rows
+from cleanbuf._oracle import STREAM, compare_streams, streams_from_rows
 
 
 def step_rows(obs, action, next_obs, reward, terminated, truncated):

@@ -11,7 +11,7 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter
-from tests.oracle import collect, compare_streams, make_env, streams_from_batches, streams_from_rows
+from cleanbuf._oracle import collect, compare_streams, make_env, streams_from_batches, streams_from_rows
 
 E, T, BATCHES = 2, 16, 10
 

@@ -1,17 +1,23 @@
-"""Runs the same env with auto-reset and with explicit resets, for oracle tests.
+"""The oracle: the same env run with explicit resets, and a per-stream comparison.
 
-The oracle (DESIGN.md, "The definition of clean") is the same environment
-under Gymnasium ``AutoresetMode.DISABLED`` with explicit resets, same seeds,
-same deterministic policy. Helpers here run both and compare per stream.
+Cleaned data must equal, row for row within each stream, what the same
+environment produces under Gymnasium ``AutoresetMode.DISABLED`` with explicit
+resets, same seeds, same deterministic policy (DESIGN.md, "The definition of
+clean"). The demo and the tests use these helpers. Needs the ``gym`` extra.
 """
 
 from __future__ import annotations
 
 import functools
 
-import gymnasium as gym
-import numpy as np
 import torch
+
+try:
+    import gymnasium as gym
+except ImportError as err:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "cleanbuf's oracle and demo need gymnasium: pip install 'cleanbuf[gym]'"
+    ) from err
 from tensordict import TensorDict
 from torchrl.collectors import Collector
 from torchrl.envs import Compose, GymEnv, GymWrapper, InitTracker, StepCounter, TransformedEnv
@@ -87,6 +93,15 @@ def same_partition(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a[1:] != a[:-1]) == (b[1:] != b[:-1])).all())
 
 
+class OracleMismatch(AssertionError):
+    """Cleaned data differs from the explicit-reset run."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise OracleMismatch(message)
+
+
 def compare_streams(cleaned: dict, oracle: dict, min_rows: int):
     """Asserts cleaned == oracle row for row within each stream.
 
@@ -97,28 +112,33 @@ def compare_streams(cleaned: dict, oracle: dict, min_rows: int):
 
     Returns:
         The number of NaN-marked terminal observations in the compared rows.
+
+    Raises:
+        OracleMismatch: the first difference found.
     """
-    assert set(cleaned) == set(oracle)
+    _check(set(cleaned) == set(oracle), f"streams {sorted(cleaned)} != {sorted(oracle)}")
     n_lost = 0
     for e in oracle:
         c, o = cleaned[e], oracle[e]
         n = min(len(c), len(o))
-        assert n >= min_rows, f"stream {e}: only {n} rows to compare"
+        _check(n >= min_rows, f"stream {e}: only {n} rows to compare")
         c, o = c[:n], o[:n]
         keys_c = set(c.keys(True, True))
         keys_o = set(o.keys(True, True))
-        assert keys_c == keys_o, (keys_c ^ keys_o)
+        _check(keys_c == keys_o, f"stream {e}: keys differ: {keys_c ^ keys_o}")
         for key in keys_o:
             if key == TRAJ:
-                assert same_partition(c[key], o[key]), f"stream {e}: traj ids"
+                _check(same_partition(c[key], o[key]), f"stream {e}: trajectory ids")
                 continue
             x, y = c[key], o[key]
             if key == ("next", "observation"):
                 lost = torch.isnan(x).any(-1)
-                assert c["next", "done"].reshape(-1)[lost].all(), "NaN on a non-done row"
+                _check(bool(c["next", "done"].reshape(-1)[lost].all()), f"stream {e}: NaN on a non-done row")
                 n_lost += int(lost.sum())
                 x, y = x[~lost], y[~lost]
-            assert torch.equal(x, y), f"stream {e}: key {key} differs at rows " + str(
-                (x != y).reshape(len(x), -1).any(-1).nonzero().flatten()[:10].tolist()
+            _check(
+                torch.equal(x, y),
+                f"stream {e}: key {key} differs at rows "
+                + str((x != y).reshape(len(x), -1).any(-1).nonzero().flatten()[:10].tolist()),
             )
     return n_lost
