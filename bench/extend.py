@@ -90,19 +90,25 @@ def make_batch(kind: str, reset_frac: float, seed: int = 0) -> TensorDict:
     )
 
 
-def _time(fn) -> float:
+def _time(fn, device: str) -> float:
     start = time.perf_counter()
     fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def bench_case(kind: str, reset_frac: float, rounds: int) -> dict:
-    batch = make_batch(kind, reset_frac)
+def bench_case(kind: str, reset_frac: float, rounds: int, device: str = "cpu") -> dict:
+    batch = make_batch(kind, reset_frac).to(device)
     capacity = E * T * 4
+
+    def storage():
+        return LazyTensorStorage(capacity, device=device)
+
     rbs = {
-        "plain": ReplayBuffer(storage=LazyTensorStorage(capacity)),
-        "filter": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=AutoresetFilter()),
-        "naive": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=NaiveFilter()),
+        "plain": ReplayBuffer(storage=storage()),
+        "filter": ReplayBuffer(storage=storage(), transform=AutoresetFilter()),
+        "naive": ReplayBuffer(storage=storage(), transform=NaiveFilter()),
     }
     calls = {
         "plain": lambda: rbs["plain"].extend(batch.reshape(-1)),
@@ -116,7 +122,7 @@ def bench_case(kind: str, reset_frac: float, rounds: int) -> dict:
     order = list(calls)
     for r in range(rounds):
         for name in order[r % 3:] + order[: r % 3]:
-            times[name].append(_time(calls[name]))
+            times[name].append(_time(calls[name], device))
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = {
         k: statistics.median(a / b for a, b in zip(times[k], times["plain"]))
@@ -134,9 +140,10 @@ def bench_case(kind: str, reset_frac: float, rounds: int) -> dict:
     }
 
 
-def machine() -> str:
+def machine(device: str) -> str:
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     return (
-        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s); "
+        f"{where}; {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s); "
         f"python {platform.python_version()}, torch {torch.__version__}, torchrl "
         f"{torchrl.__version__}, tensordict {tensordict.__version__}, numba "
         f"{numba.__version__}, numpy {np.__version__}"
@@ -146,13 +153,14 @@ def machine() -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds (smoke run)")
+    parser.add_argument("--device", default="cpu", help="where the batches and storage live")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
     for kind, rounds in (("mujoco", 200), ("atari", 25)):
         for frac in (0.02, 0.10):
-            rows.append(bench_case(kind, frac, 5 if args.quick else rounds))
-    print(machine())
+            rows.append(bench_case(kind, frac, 5 if args.quick else rounds, args.device))
+    print(machine(args.device))
     print()
     print("| case | plain extend (ms) | with filter (ms) | naive td[keep] (ms) | filter / plain | naive / plain | naive / filter |")
     print("|---|---|---|---|---|---|---|")
