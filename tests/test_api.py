@@ -188,3 +188,44 @@ def test_mode_accepts_gymnasium_enum():
     """Bug caught: AutoresetMode.NEXT_STEP rejected or mapped to another mode."""
     assert AutoresetFilter(gym.vector.AutoresetMode.NEXT_STEP).options.mode == "next_step"
     assert AutoresetFilter(gym.vector.AutoresetMode.DISABLED).options.mode == "disabled"
+
+
+def _joint_batch():
+    for seed in range(100):
+        batch = next_step_batch(2, 30, seed, group=2)
+        done = batch["next", "done"].squeeze(-1)
+        if (done.all(0)[:-1]).any():  # a joint reset inside the batch
+            return batch
+    raise AssertionError("no joint reset")
+
+
+def test_lost_terminal_observation_policies():
+    """TorchRL's joint reset loses terminal observations. Bugs caught: 'drop'
+    storing the rows anyway or not counting them, 'raise' writing part of the
+    batch, 'keep' altering the producer's values, 'nan' marking rows other
+    than the lost ones."""
+    batch = _joint_batch()
+    results = {}
+    for policy in ("nan", "drop", "keep"):
+        filt = AutoresetFilter("next_step", joint_reset=True, on_lost_terminal_obs=policy)
+        rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=filt)
+        rb.extend(batch)
+        filt.flush(rb)
+        results[policy] = (filt.stats, rb[: len(rb)])
+    nan_stats, nan_rows = results["nan"]
+    n_lost = nan_stats["terminal_obs_missing"]
+    assert n_lost > 0
+    assert int(torch.isnan(nan_rows["next", "observation"]).sum()) == n_lost
+    drop_stats, drop_rows = results["drop"]
+    assert drop_stats["lost_rows_dropped"] == n_lost
+    assert len(drop_rows) == len(nan_rows) - n_lost
+    assert not torch.isnan(drop_rows["next", "observation"]).any()
+    keep_stats, keep_rows = results["keep"]
+    assert len(keep_rows) == len(nan_rows)
+    lost = torch.isnan(nan_rows["next", "observation"]).reshape(-1)
+    assert (keep_rows["next", "observation"].reshape(-1)[lost] == 0).all()  # as zero-filled
+    filt = AutoresetFilter("next_step", joint_reset=True, on_lost_terminal_obs="raise")
+    rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=filt)
+    with pytest.raises(Exception, match="on_lost_terminal_obs='raise'"):
+        rb.extend(batch)
+    assert len(rb) == 0 and filt.stats["rows_in"] == 0
