@@ -24,7 +24,7 @@ from cleanbuf._errors import (
 )
 from cleanbuf._keys import done_flags, flat_leaves, observation_keys, zero_rewards
 from cleanbuf._layout import CallLayout, resolve
-from cleanbuf._move import Runs, gather, gather_into
+from cleanbuf._move import RowIndex, gather
 from cleanbuf._options import Options
 
 STAT_NAMES = (
@@ -380,21 +380,15 @@ class Cleaner:
         slot_of = np.full(len(carry.pending), -1, np.int64)
         slot_of[carry.held_stream] = np.arange(len(carry.held_stream))
         released = np.flatnonzero((released_src >= 0) & (slot_of >= 0))
-        rel_slots = torch.from_numpy(slot_of[released])
         n_rel = len(released)
-        emit_runs, hold_runs = Runs(emit), Runs(hold)
+        rel_slots = torch.from_numpy(slot_of[released])
+        emit_rows, hold_rows = RowIndex(emit), RowIndex(hold)
         out, new_held = {}, {}
         for k, x in leaves.items():
-            if not x.is_contiguous():
-                x = x.contiguous()
-                leaves[k] = x
-            o = torch.empty((n_rel + len(emit), *x.shape[1:]), dtype=x.dtype, device=x.device)
-            if n_rel:
-                h = carry.held[k]
-                o[:n_rel] = h.index_select(0, rel_slots.to(h.device)).to(x.device)
-            gather_into(o, n_rel, x, emit_runs)
-            out[k] = o
-            new_held[k] = gather(x, hold_runs)
+            head = carry.held[k].index_select(0, rel_slots.to(carry.held[k].device)) if n_rel else None
+            out[k] = gather(x, emit_rows, head)
+            if len(hold):
+                new_held[k] = gather(x, hold_rows)
         out["_n_released"] = n_rel
         out["_released_src"] = released_src[released]
         return out, new_held
@@ -432,10 +426,10 @@ def _cat_held(held: dict, kept_old: np.ndarray, new_held: dict) -> dict:
     if not kept_old.any():
         return new_held
     idx = torch.from_numpy(np.flatnonzero(kept_old))
-    return {
-        k: torch.cat([held[k].index_select(0, idx.to(held[k].device)), v.to(held[k].device)])
-        for k, v in new_held.items()
-    }
+    kept = {k: v.index_select(0, idx.to(v.device)) for k, v in held.items()}
+    if not new_held:
+        return kept
+    return {k: torch.cat([kept[k], new_held[k].to(kept[k].device)]) for k in kept}
 
 
 def _as_td(leaves: dict, n_rows: int, device) -> TensorDictBase:

@@ -1,4 +1,4 @@
-"""numba kernels on plain arrays: the planning scan and the row mover.
+"""numba kernels on plain arrays: the planning scan and the row selection.
 
 Nothing here knows about TensorDicts, keys or torch. Validation happens in the
 Python callers (``_cleaner.py``) before a kernel runs; the kernels assume
@@ -146,52 +146,3 @@ def select_rows(code, drop_lost):
             emit[a] = i
             a += 1
     return emit, hold
-
-
-@njit(cache=True, nogil=True)
-def index_runs(index):
-    """Compresses a row index into runs of consecutive rows.
-
-    Args:
-        index: int64[M] source rows.
-
-    Returns:
-        ``(src_start, dst_start, length)``: int64 arrays, one entry per run,
-        such that ``index[dst_start[r] + j] == src_start[r] + j`` for
-        ``0 <= j < length[r]``.
-    """
-    m = index.shape[0]
-    n_runs = 0
-    for j in range(m):
-        if j == 0 or index[j] != index[j - 1] + 1:
-            n_runs += 1
-    src_start = np.empty(n_runs, np.int64)
-    dst_start = np.empty(n_runs, np.int64)
-    length = np.empty(n_runs, np.int64)
-    r = -1
-    for j in range(m):
-        if j == 0 or index[j] != index[j - 1] + 1:
-            r += 1
-            src_start[r] = index[j]
-            dst_start[r] = j
-            length[r] = 1
-        else:
-            length[r] += 1
-    return src_start, dst_start, length
-
-
-@njit(cache=True, nogil=True)
-def copy_runs(src, dst, dst_offset, src_start, dst_start, length):
-    """Copies runs of rows between two 2-D byte arrays.
-
-    Args:
-        src: uint8[N, B], one row of bytes per input row.
-        dst: uint8[M, B], written in place.
-        dst_offset: row of ``dst`` where run destinations start.
-        src_start, dst_start, length: the runs from :func:`index_runs`.
-    """
-    for r in range(src_start.shape[0]):
-        a = src_start[r]
-        b = dst_offset + dst_start[r]
-        k = length[r]
-        dst[b : b + k] = src[a : a + k]

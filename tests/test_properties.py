@@ -17,7 +17,6 @@ from hypothesis import given, settings, strategies as st
 from tensordict import TensorDict
 
 from cleanbuf import AutoresetFilter
-from cleanbuf._kernels import index_runs
 from tests.batches import KEYS, grid_td
 from tests.reference import FIELDS, reference_clean, simulate
 
@@ -159,18 +158,3 @@ def test_stream_key_interleaved_rows(seed, n, steps, data):
     filt, outs = run_filter(AutoresetFilter("next_step", stream_key="sid"), calls)
     check_against_reference(raw, truth, rows_by_stream(outs), flush_lost=False)
     lossless(filt, raw)
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(0, 50), max_size=60))
-def test_index_runs_matches_a_plain_loop(values):
-    """Bug caught: a run split or merged wrongly, so the mover copies the
-    wrong rows (checked by expanding the runs back into the index)."""
-    index = np.array(values, np.int64)
-    src, dst, length = index_runs(index)
-    rebuilt = np.full(len(index), -1, np.int64)
-    for a, b, k in zip(src, dst, length):
-        rebuilt[b:b + k] = np.arange(a, a + k)
-        if b + k < len(index):
-            assert index[b + k] != index[b + k - 1] + 1  # runs are maximal
-    assert rebuilt.tolist() == index.tolist()
