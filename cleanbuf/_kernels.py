@@ -31,7 +31,7 @@ LOST = 4
 
 
 @njit(cache=True, nogil=True)
-def plan_next_step(stream, done, joint, reward_zero, pending, need_init, shift):
+def plan_next_step(stream, done, joint, reward, pending, need_init, shift):
     """Plans one call of next-step data from flags and the carry state.
 
     Args:
@@ -40,8 +40,9 @@ def plan_next_step(stream, done, joint, reward_zero, pending, need_init, shift):
         done: bool[N], the row ends an episode.
         joint: bool[N], the row is a done row at a step where its whole reset
             group is done (no reset row follows it).
-        reward_zero: bool[N], the row's reward is exactly zero (the reset-row
-            signature check; all True when the check is off).
+        reward: numeric[N], nonzero where the row's reward is not exactly
+            zero (the reset-row signature check; all zero when the check is
+            off).
         pending: bool[S] carry, a done row of the stream awaits its reset row.
         need_init: bool[S] carry, the next kept row starts an episode that an
             auto-reset began (its ``is_init`` must be set).
@@ -50,14 +51,15 @@ def plan_next_step(stream, done, joint, reward_zero, pending, need_init, shift):
 
     Returns:
         A tuple ``(code, next_src, init_fix, row_shift, released_src,
-        pending, need_init, shift, bad_row)``: per-row code (see the module
-        docstring); per-row source row of the next observation (the reset
-        row, for ``STITCHED`` rows, else -1); per-row flag "set is_init";
-        per-row step-count shift; per-stream source row for the stream's
-        held row from an earlier call (-1 if not released); the new carry
-        arrays (fresh copies, the inputs are untouched); and the index of the
-        first supposed reset row that fails the signature check (-1 if none;
-        the other outputs are then meaningless).
+        pending, need_init, shift, counts, bad_row)``: per-row code (see the
+        module docstring); per-row source row of the next observation (the
+        reset row, for ``STITCHED`` rows, else -1); per-row flag "set
+        is_init"; per-row step-count shift; per-stream source row for the
+        stream's held row from an earlier call (-1 if not released); the new
+        carry arrays (fresh copies, the inputs are untouched); int64[3]
+        counts of reset rows, lost terminal observations and done rows; and
+        the index of the first supposed reset row that fails the signature
+        check (-1 if none; the other outputs are then meaningless).
     """
     n = stream.shape[0]
     n_streams = pending.shape[0]
@@ -70,15 +72,17 @@ def plan_next_step(stream, done, joint, reward_zero, pending, need_init, shift):
     row_shift = np.zeros(n, np.int64)
     released_src = np.full(n_streams, -1, np.int64)
     open_done = np.full(n_streams, -1, np.int64)
+    counts = np.zeros(3, np.int64)
     bad_row = -1
     for i in range(n):
         s = stream[i]
         if pending[s]:
             # The successor of a done row: the auto-reset artifact.
-            if done[i] or not reward_zero[i]:
+            if done[i] or reward[i] != 0:
                 bad_row = i
                 break
             code[i] = DROP
+            counts[0] += 1
             if open_done[s] >= 0:
                 code[open_done[s]] = STITCHED
                 next_src[open_done[s]] = i
@@ -93,9 +97,11 @@ def plan_next_step(stream, done, joint, reward_zero, pending, need_init, shift):
         need_init[s] = False
         row_shift[i] = shift[s]
         if done[i]:
+            counts[2] += 1
             shift[s] = 0
             if joint[i]:
                 code[i] = LOST
+                counts[1] += 1
             else:
                 code[i] = HOLD
                 pending[s] = True
@@ -109,40 +115,74 @@ def plan_next_step(stream, done, joint, reward_zero, pending, need_init, shift):
         pending,
         need_init,
         shift,
+        counts,
         bad_row,
     )
 
 
 @njit(cache=True, nogil=True)
-def select_rows(code, drop_lost):
+def select_rows(code, init_fix, row_shift, drop_lost):
     """Splits planned rows into the rows to emit now and the rows to hold.
 
     Args:
         code: int8[N] row codes from :func:`plan_next_step`.
+        init_fix: bool[N], per-row "set is_init" from the plan.
+        row_shift: int64[N], per-row step-count shift from the plan.
         drop_lost: drop ``LOST`` rows instead of emitting them.
 
     Returns:
-        ``(emit, hold)``: int64 row indices, each in input order.
+        ``(emit, hold, stitched, lost, emit_init, hold_init, emit_shift,
+        hold_shift)``: row indices to emit and to hold (input order); the
+        positions within ``emit`` of ``STITCHED`` and ``LOST`` rows; the
+        positions within ``emit`` and ``hold`` whose ``is_init`` must be set;
+        the step-count shift of each emitted and held row.
     """
     n = code.shape[0]
     n_emit = 0
     n_hold = 0
+    n_stitched = 0
+    n_lost = 0
+    n_emit_init = 0
+    n_hold_init = 0
     for i in range(n):
         c = code[i]
         if c == HOLD:
             n_hold += 1
+            n_hold_init += init_fix[i]
         elif c == EMIT or c == STITCHED or (c == LOST and not drop_lost):
             n_emit += 1
+            n_emit_init += init_fix[i]
+            n_stitched += c == STITCHED
+            n_lost += c == LOST
     emit = np.empty(n_emit, np.int64)
     hold = np.empty(n_hold, np.int64)
-    a = 0
-    b = 0
+    stitched = np.empty(n_stitched, np.int64)
+    lost = np.empty(n_lost, np.int64)
+    emit_init = np.empty(n_emit_init, np.int64)
+    hold_init = np.empty(n_hold_init, np.int64)
+    emit_shift = np.empty(n_emit, np.int64)
+    hold_shift = np.empty(n_hold, np.int64)
+    a = b = p = q = u = v = 0
     for i in range(n):
         c = code[i]
         if c == HOLD:
+            if init_fix[i]:
+                hold_init[v] = b
+                v += 1
             hold[b] = i
+            hold_shift[b] = row_shift[i]
             b += 1
         elif c == EMIT or c == STITCHED or (c == LOST and not drop_lost):
+            if c == STITCHED:
+                stitched[p] = a
+                p += 1
+            elif c == LOST:
+                lost[q] = a
+                q += 1
+            if init_fix[i]:
+                emit_init[u] = a
+                u += 1
             emit[a] = i
+            emit_shift[a] = row_shift[i]
             a += 1
-    return emit, hold
+    return emit, hold, stitched, lost, emit_init, hold_init, emit_shift, hold_shift

@@ -157,16 +157,3 @@ def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> 
                 "match for the next observation to be re-stitched."
             )
     return list(declared)
-
-
-def zero_rewards(leaves: dict, reward_key: tuple | None, n_rows: int) -> np.ndarray:
-    """Returns, per row, whether the reward is exactly zero (True if no reward key).
-
-    Examples:
-        >>> zero_rewards({("next", "reward"): torch.tensor([[0.0], [1.0]])}, ("next", "reward"), 2)
-        array([ True, False])
-    """
-    if reward_key is None or reward_key not in leaves:
-        return np.ones(n_rows, np.bool_)
-    reward = leaves[reward_key]
-    return (reward == 0).reshape(n_rows, -1).all(1).cpu().numpy()
