@@ -103,23 +103,34 @@ def done_flags(leaves: dict, done_key: tuple | None, n_rows: int) -> np.ndarray:
     return flag.cpu().numpy()
 
 
-def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> list:
-    """Returns the observation keys (root keys with a ``("next", ...)`` twin).
+def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> tuple[list, bool]:
+    """Returns the observation keys, and whether the data is observation-only.
+
+    Observation keys are discovered as the root keys with a ``("next", ...)``
+    twin (done, reward and bookkeeping keys excluded). Observation-only data
+    (no ``("next", k)``, as TorchRL's ``Collector(compact_obs=True)`` stores)
+    needs them declared.
 
     Args:
         leaves: the batch leaves, from :func:`flat_leaves`.
         declared: user-declared observation keys, or None to discover them.
         bookkeeping: extra root keys that are never observations.
 
+    Returns:
+        ``(keys, observation_only)``.
+
     Raises:
-        InputError: no observation key, or a declared key missing at the
-            root or under "next", or with different shapes or dtypes there.
+        InputError: no observation key; a declared key missing at the root;
+            some declared keys with a ``("next", k)`` twin and some without;
+            a twin of another shape or dtype.
 
     Examples:
         >>> leaves = {("obs",): torch.zeros(2, 3), ("next", "obs"): torch.zeros(2, 3),
         ...           ("next", "done"): torch.zeros(2, 1, dtype=torch.bool)}
         >>> observation_keys(leaves, None, set())
-        [('obs',)]
+        ([('obs',)], False)
+        >>> observation_keys({("obs",): torch.zeros(2, 3)}, [("obs",)], set())
+        ([('obs',)], True)
     """
     if declared is None:
         keys = [
@@ -135,25 +146,115 @@ def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> 
             raise InputError(
                 "no observation key: expected at least one key present both at the root "
                 f"and under 'next' (like 'observation' and ('next', 'observation')); found "
-                f"keys {sorted(leaves, key=str)}. Pass observation_keys=[...]; data "
-                "without ('next', obs) (compact_obs=True) is not supported by this "
-                "version."
+                f"keys {sorted(leaves, key=str)}. Pass observation_keys=[...] (required "
+                "for observation-only data, such as Collector(compact_obs=True) output)."
             )
-        return keys
-    for k in declared:
-        nk = (NEXT, *k)
-        for key in (k, nk):
-            if key not in leaves:
-                raise InputError(
-                    f"observation key {_fmt(key)} is missing from the batch (found "
-                    f"{sorted(leaves, key=str)}). Fix observation_keys=, or store the "
-                    "observation both at the root and under 'next'."
-                )
-        a, b = leaves[k], leaves[nk]
-        if a.shape != b.shape or a.dtype != b.dtype:
+        return keys, False
+    missing = [k for k in declared if k not in leaves]
+    if missing:
+        raise InputError(
+            f"observation key(s) {', '.join(_fmt(k) for k in missing)} missing from the batch "
+            f"(found {sorted(leaves, key=str)}). Fix observation_keys=."
+        )
+    twins = [(NEXT, *k) in leaves for k in declared]
+    if any(twins) and not all(twins):
+        have = ", ".join(_fmt(k) for k, t in zip(declared, twins) if t)
+        lack = ", ".join(_fmt(k) for k, t in zip(declared, twins) if not t)
+        raise InputError(
+            f"observation keys {have} have a ('next', ...) twin but {lack} do not; store "
+            "every observation key under 'next' (full transitions) or none of them "
+            "(observation-only), or fix observation_keys=."
+        )
+    if all(twins):
+        for k in declared:
+            check_same_layout(leaves, k, (NEXT, *k))
+    return list(declared), not all(twins)
+
+
+def check_same_layout(leaves: dict, key: tuple, other: tuple) -> None:
+    """Raises unless ``other`` has the shape and dtype of ``key`` (the rows of one
+    can then be written into the other)."""
+    a, b = leaves[key], leaves[other]
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise InputError(
+            f"observation key {_fmt(key)} has shape {list(a.shape)} and dtype {a.dtype} "
+            f"but {_fmt(other)} has shape {list(b.shape)} and dtype {b.dtype}; both must "
+            "match for the next observation to be re-stitched."
+        )
+
+
+FINAL_KEYS = (("next", "final_obs"), ("next", "final_observation"), ("next", "terminal_observation"))
+
+
+def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, n_rows: int):
+    """Finds the same-step final-observation entry for each observation key.
+
+    The entry is ``declared`` or the first of :data:`FINAL_KEYS` present. It
+    is one tensor (for a single observation key) or a sub-TensorDict with
+    the observation keys inside. A boolean entry of the same name with a
+    leading underscore (``("next", "_final_obs")``, as Gymnasium's info
+    masks) says per row whether the final observation is there.
+
+    Args:
+        leaves: the batch leaves.
+        declared: the user's ``final_obs_key``, or None to look for the
+            common names.
+        obs_keys: the observation keys.
+        n_rows: rows in the batch.
+
+    Returns:
+        ``(final_of, present, entry_keys)``: a dict from observation key to
+        its final-observation leaf key (empty when there is no entry); a
+        bool numpy array, per row, whether the final observation is present
+        (None: present wherever the entry is); and the set of leaf keys the
+        entry (and its mask) occupy.
+
+    Raises:
+        InputError: the entry does not match the observation keys.
+
+    Examples:
+        >>> leaves = {("obs",): torch.zeros(2, 3), ("next", "final_obs"): torch.ones(2, 3)}
+        >>> final_entries(leaves, None, [("obs",)], 2)[0]
+        {('obs',): ('next', 'final_obs')}
+    """
+    candidates = [declared] if declared is not None else list(FINAL_KEYS)
+    prefix = None
+    for c in candidates:
+        if any(k[: len(c)] == c for k in leaves):
+            prefix = c
+            break
+    if prefix is None:
+        return {}, None, set()
+    entry_keys = {k for k in leaves if k[: len(prefix)] == prefix}
+    if prefix in leaves:
+        if len(obs_keys) != 1:
             raise InputError(
-                f"observation key {_fmt(k)} has shape {list(a.shape)} and dtype {a.dtype} "
-                f"but {_fmt(nk)} has shape {list(b.shape)} and dtype {b.dtype}; both must "
-                "match for the next observation to be re-stitched."
+                f"the final-observation entry {_fmt(prefix)} is one tensor but there are "
+                f"{len(obs_keys)} observation keys ({', '.join(_fmt(k) for k in obs_keys)}); store it "
+                "as a sub-TensorDict with one entry per observation key (for example "
+                f"{(*prefix, *obs_keys[0])!r})."
             )
-    return list(declared)
+        final_of = {obs_keys[0]: prefix}
+    else:
+        final_of = {k: (*prefix, *k) for k in obs_keys}
+        missing = ", ".join(_fmt(f) for f in final_of.values() if f not in leaves)
+        if missing:
+            raise InputError(
+                f"the final-observation entry {_fmt(prefix)} lacks {missing}; it needs one "
+                f"entry per observation key ({', '.join(_fmt(k) for k in obs_keys)}). Fix "
+                "final_obs_key= or the stored entry."
+            )
+    for k, f in final_of.items():
+        check_same_layout(leaves, k, f)
+    mask_key = (*prefix[:-1], "_" + prefix[-1])
+    present = None
+    if mask_key in leaves:
+        entry_keys.add(mask_key)
+        mask = leaves[mask_key]
+        if mask.dtype != torch.bool or mask.shape[1:].numel() != 1:
+            raise InputError(
+                f"the final-observation mask {_fmt(mask_key)} must be one torch.bool per "
+                f"row; got dtype {mask.dtype} and shape {list(mask.shape)}."
+            )
+        present = mask.reshape(n_rows).cpu().numpy()
+    return final_of, present, entry_keys

@@ -78,6 +78,9 @@ class Options:
     reward_key: tuple | None = ("next", "reward")
     is_init_key: tuple | None = ("is_init",)
     step_count_key: tuple | None = ("step_count",)
+    final_obs_key: tuple | None = None
+    keep_final_obs: bool = False
+    compact: bool = False
 
     @classmethod
     def build(cls, mode: Any = "next_step", **kwargs: Any) -> "Options":
@@ -149,7 +152,12 @@ class Options:
             if isinstance(obs_keys, (str, tuple)) and not isinstance(obs_keys, list):
                 obs_keys = [obs_keys]
             obs_keys = tuple(_key(k) for k in obs_keys)
-        for name in ("done_key", "reward_key", "is_init_key", "step_count_key"):
+        if kwargs.get("joint_reset") and mode != "next_step":
+            raise CleanbufError(
+                f"joint_reset=True describes next-step data (TorchRL's joint reset); "
+                f"it does not go with mode={mode!r}."
+            )
+        for name in ("done_key", "reward_key", "is_init_key", "step_count_key", "final_obs_key"):
             if name in kwargs:
                 kwargs[name] = _key(kwargs[name])
         return cls(

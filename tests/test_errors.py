@@ -80,7 +80,7 @@ def test_declared_observation_key_missing():
     """Bug caught: a typo in observation_keys silently ignored."""
     filt = AutoresetFilter("next_step", observation_keys=["pixels"])
     rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
-    with pytest.raises(InputError, match="'pixels' is missing.*observation_keys="):
+    with pytest.raises(InputError, match="'pixels' missing.*observation_keys="):
         rb.extend(next_step_batch(2, 12, 1))
     assert len(rb) == 0 and filt.stats["rows_in"] == 0
 
@@ -180,11 +180,18 @@ def test_unknown_producer():
         AutoresetFilter.for_env(object())
 
 
-def test_same_step_not_implemented_yet():
-    """Bug caught: same-step data passed through as if it were clean."""
+def test_same_step_done_row_without_final_observation():
+    """Bug caught: a same-step done row stored with the reset observation as
+    its next observation (every truncation bootstrap silently wrong)."""
     filt = AutoresetFilter("same_step")
-    with pytest.raises(NotImplementedError, match="same_step"):
-        filt.inv(next_step_batch(2, 12, 1))
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+    batch = next_step_batch(2, 12, 1)  # no final-observation entry at all
+    with pytest.raises(TerminalObservationLostError) as info:
+        rb.extend(batch)
+    msg = str(info.value)
+    for fragment in ("final_obs", "final_obs_key=", "'drop'", "'nan'", "'keep'", "step_rows"):
+        assert fragment in msg
+    assert len(rb) == 0 and filt.stats["rows_in"] == 0
 
 
 def test_bad_options():
