@@ -149,7 +149,11 @@ class Options:
             )
         obs_keys = kwargs.pop("observation_keys", None)
         if obs_keys is not None:
-            if isinstance(obs_keys, (str, tuple)) and not isinstance(obs_keys, list):
+            # A string or a tuple of strings is one (nested) key; anything else
+            # is a sequence of keys.
+            if isinstance(obs_keys, str) or (
+                isinstance(obs_keys, tuple) and all(isinstance(p, str) for p in obs_keys)
+            ):
                 obs_keys = [obs_keys]
             obs_keys = tuple(_key(k) for k in obs_keys)
         if kwargs.get("joint_reset") and mode != "next_step":

@@ -18,15 +18,22 @@ KEYS = {
     "next_step_count": ("next", "step_count"),
     "payload": ("action",),
 }
+FINAL_KEYS = {"final": ("next", "final_obs"), "final_ok": ("next", "_final_obs")}
 DTYPES = {"done": torch.bool, "is_init": torch.bool, "step_count": torch.int64,
-          "next_step_count": torch.int64}
+          "next_step_count": torch.int64, "final_ok": torch.bool}
 
 
-def grid_td(raw, stream_shape):
-    """Raw rows of equal-length streams as a TensorDict [*E, T]."""
+def grid_td(raw, stream_shape, *, final=False, obs_only=False):
+    """Raw rows of equal-length streams as a TensorDict [*E, T].
+
+    ``final`` adds the same-step final-observation entry and its mask;
+    ``obs_only`` leaves out ``("next", "observation")``."""
     steps = len(raw[0])
     td = TensorDict(batch_size=[*stream_shape, steps])
-    for f, key in KEYS.items():
+    keys = KEYS | (FINAL_KEYS if final else {})
+    if obs_only:
+        keys = {f: k for f, k in keys.items() if f != "next_obs"}
+    for f, key in keys.items():
         vals = [[r[f] for r in rows] for rows in raw]
         t = torch.tensor(vals, dtype=DTYPES.get(f, torch.float32))
         td.set(key, t.reshape(*stream_shape, steps, 1))
@@ -38,3 +45,10 @@ def next_step_batch(n_streams=2, steps=12, seed=0, **kwargs):
     """A [n_streams, steps] next-step batch with episode ends (zero-filled)."""
     raw, _ = simulate(np.random.default_rng(seed), n_streams, steps, max_len=4, **kwargs)
     return grid_td(raw, (n_streams,))
+
+
+def same_step_batch(n_streams=2, steps=12, seed=0, final=True, **kwargs):
+    """A [n_streams, steps] same-step batch, with the final-observation entry."""
+    raw, _ = simulate(np.random.default_rng(seed), n_streams, steps, mode="same_step",
+                      max_len=4, **kwargs)
+    return grid_td(raw, (n_streams,), final=final)

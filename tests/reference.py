@@ -1,10 +1,10 @@
 """A readable, row-by-row reference cleaner, and a generator of synthetic streams.
 
-The reference implements DESIGN.md's next-step rules one stream at a time,
-with no batching, no arrays and no cleverness: it is what the kernels are
-checked against. The generator simulates next-step producers (plain, or with
-TorchRL's joint reset) and also returns the ground truth, the stream an
-explicit-reset run would have produced.
+The reference implements DESIGN.md's rules one stream at a time, with no
+batching, no arrays and no cleverness: it is what the kernels are checked
+against. The generator simulates next-step producers (plain, or with
+TorchRL's joint reset) and same-step producers, and also returns the ground
+truth, the stream an explicit-reset run would have produced.
 
 Observations encode their position (DESIGN.md, "Style"): the observation of
 stream e at step t is ``1000 * e + t``, a terminal observation is
@@ -18,77 +18,106 @@ import math
 import numpy as np
 
 FIELDS = ("obs", "next_obs", "reward", "done", "is_init", "step_count", "next_step_count", "payload")
+NAN = math.nan
 
 
-def reference_clean(rows, *, flush_lost):
-    """Cleans one stream of next-step rows, row by row.
+def reference_clean(rows, *, mode="next_step", obs_only=False, compact=False, flush_lost=True):
+    """Cleans one stream, row by row.
 
     Args:
-        rows: the stream's rows in time order, dicts with the keys of
-            ``FIELDS`` plus ``joint`` (a done row whose whole reset group was
-            done at that step: no reset row follows it).
-        flush_lost: whether a done row still waiting for its reset row at the
-            end has lost its terminal observation (TorchRL zero-fills it) or
-            already holds it (raw loops).
+        rows: the stream's rows in time order: dicts with the keys of
+            ``FIELDS`` plus ``joint`` (a next-step done row whose whole reset
+            group was done: no reset row follows) and, for same-step data,
+            ``final`` / ``final_ok`` (the final-observation entry and whether
+            it is there).
+        mode: "next_step" or "same_step".
+        obs_only: the rows' ``next_obs`` is not stored; it comes from the
+            next row (or a done row's final entry).
+        compact: observation-only output: no ``next_obs`` is written at all.
+        flush_lost: next-step full rows: whether a done row still waiting
+            for its reset row at the end has lost its terminal observation.
 
     Returns:
-        The cleaned rows (dicts with the keys of ``FIELDS``).
+        The cleaned rows (dicts with the keys of ``FIELDS``; without
+        ``next_obs`` when ``compact``). Lost next observations are NaN.
     """
     out = []
-    waiting = None  # the done row whose reset row comes next
+    waiting = None  # the row whose next observation is the next row's observation
+    reset_row_next = False
     is_init_next = False
     step_shift = 0
     for row in rows:
         if waiting is not None:
-            # A reset row: it carries the terminal observation; drop it.
-            assert row["reward"] == 0 and not row["done"], "not a reset row"
             waiting["next_obs"] = row["obs"]
             out.append(waiting)
             waiting = None
+        if reset_row_next:
+            # A next-step reset row: it carried the terminal observation; drop it.
+            assert row["reward"] == 0 and not row["done"], "not a reset row"
+            reset_row_next = False
             is_init_next = True  # the next row starts the new episode
             step_shift = 1  # the reset row consumed one step of StepCounter
             continue
-        row = {k: row[k] for k in FIELDS} | {"joint": row["joint"]}
+        row = {k: row[k] for k in FIELDS} | {k: row.get(k) for k in ("joint", "final", "final_ok")}
         if is_init_next:
             row["is_init"] = True
             is_init_next = False
         row["step_count"] -= step_shift
         row["next_step_count"] -= step_shift
-        joint = row.pop("joint")
+        joint, final, final_ok = row.pop("joint"), row.pop("final"), row.pop("final_ok")
         if row["done"]:
             step_shift = 0
-            if joint:
-                row["next_obs"] = math.nan  # lost for good
+        if compact:
+            del row["next_obs"]
+            reset_row_next = mode == "next_step" and row["done"] and not joint
+            out.append(row)
+            continue
+        if row["done"]:
+            if mode == "same_step":
+                row["next_obs"] = final if final_ok else NAN
+                out.append(row)
+            elif joint:
+                row["next_obs"] = NAN  # the joint reset lost it for good
                 out.append(row)
             else:
-                waiting = row
+                reset_row_next = True
+                waiting = row  # its reset row holds the terminal observation
+            continue
+        if obs_only:
+            waiting = row
             continue
         out.append(row)
     if waiting is not None:
-        if flush_lost:
-            waiting["next_obs"] = math.nan
+        if obs_only or flush_lost:
+            waiting["next_obs"] = NAN
         out.append(waiting)
     return out
 
 
-def simulate(rng, n_streams, steps, *, group=None, zero_fill=True, max_len=6):
-    """Simulates a next-step producer.
+def simulate(rng, n_streams, steps, *, mode="next_step", group=None, zero_fill=True,
+             max_len=6, final_missing=0.0):
+    """Simulates an auto-resetting producer.
 
     Args:
         rng: a numpy Generator.
         n_streams: number of streams (envs).
         steps: time steps to simulate.
-        group: reset-group size for TorchRL's joint reset (None: plain
-            next-step, a reset row after every done row).
-        zero_fill: the done row's next observation is zero (TorchRL) rather
-            than the terminal observation (raw Gymnasium / EnvPool loops).
+        mode: "next_step" (a reset row after each done row) or "same_step"
+            (the done row's next observation is the reset observation; the
+            terminal one is in ``final``).
+        group: next-step only: reset-group size for TorchRL's joint reset
+            (None: a reset row after every done row).
+        zero_fill: next-step only: the done row's next observation is zero
+            (TorchRL) rather than the terminal observation (raw loops).
         max_len: longest episode.
+        final_missing: same-step only: chance that a done row has no final
+            observation.
 
     Returns:
-        ``(raw, truth)``: per stream, the produced rows (with ``joint``) and
-        the rows an explicit-reset run gives (terminal observations that a
-        joint reset lost are NaN; an episode still waiting for its reset row
-        at the end keeps what the producer put in its done row, NaN when
+        ``(raw, truth)``: per stream, the produced rows and the rows an
+        explicit-reset run gives (terminal observations that the producer
+        lost are NaN; a next-step episode still waiting for its reset row at
+        the end keeps what the producer put in its done row, NaN when
         zero-filled).
     """
     raw = [[] for _ in range(n_streams)]
@@ -100,56 +129,67 @@ def simulate(rng, n_streams, steps, *, group=None, zero_fill=True, max_len=6):
     true_count = np.zeros(n_streams, np.int64)
     for t in range(steps):
         done_now = np.zeros(n_streams, bool)
-        rows_now = []
+        truth_now = [None] * n_streams
         for e in range(n_streams):
             obs = float(1000 * e + t)
             if reset_due[e]:
-                prev = raw[e][-1]
-                row = dict(obs=prev["terminal"], next_obs=float(1000 * e + t + 1), reward=0.0,
-                           done=False, is_init=True, step_count=0, next_step_count=1,
-                           payload=float(-obs), joint=False)
+                row = dict(obs=raw[e][-1]["terminal"], next_obs=float(1000 * e + t + 1),
+                           reward=0.0, done=False, is_init=True, step_count=0,
+                           next_step_count=1, payload=float(-obs))
+                raw[e].append(_with_flags(row))
                 reset_due[e] = False
                 fresh[e] = True
                 count[e] = 1
-                raw[e].append(row)
-                rows_now.append(None)
                 continue
             if fresh[e]:
                 true_count[e] = 0
             remaining[e] -= 1
-            done = remaining[e] == 0
+            done = bool(remaining[e] == 0)
             terminal = float(100_000 + 1000 * e + t)
-            next_obs = terminal if done else float(1000 * e + t + 1)
-            stored_next = 0.0 if (done and zero_fill) else next_obs
-            is_init = bool(fresh[e] and count[e] == 0)
-            row = dict(obs=obs, next_obs=stored_next, reward=1.0, done=bool(done),
-                       is_init=is_init, step_count=int(count[e]),
-                       next_step_count=int(count[e] + 1), payload=float(-obs),
-                       joint=False, terminal=terminal)
-            true_row = dict(obs=obs, next_obs=next_obs, reward=1.0, done=bool(done),
+            true_next = terminal if done else float(1000 * e + t + 1)
+            if not done:
+                stored_next = true_next
+            elif mode == "same_step":
+                stored_next = float(1000 * e + t + 1)  # the reset observation
+            else:
+                stored_next = 0.0 if zero_fill else terminal
+            final_ok = mode == "same_step" and done and rng.random() >= final_missing
+            row = dict(obs=obs, next_obs=stored_next, reward=1.0, done=done,
+                       is_init=bool(fresh[e] and count[e] == 0), step_count=int(count[e]),
+                       next_step_count=int(count[e] + 1), payload=float(-obs))
+            raw[e].append(_with_flags(row, terminal=terminal,
+                                      final=terminal if final_ok else 0.0, final_ok=final_ok))
+            true_row = dict(obs=obs, next_obs=true_next, reward=1.0, done=done,
                             is_init=bool(fresh[e]), step_count=int(true_count[e]),
                             next_step_count=int(true_count[e] + 1), payload=float(-obs))
+            if mode == "same_step" and done and not final_ok:
+                true_row["next_obs"] = NAN
+            truth[e].append(true_row)
+            truth_now[e] = true_row
             fresh[e] = False
             count[e] += 1
             true_count[e] += 1
-            raw[e].append(row)
-            truth[e].append(true_row)
-            rows_now.append(true_row)
             done_now[e] = done
             if done:
                 remaining[e] = rng.integers(1, max_len + 1)
-        for e in range(n_streams):
-            if not done_now[e]:
+        for e in np.flatnonzero(done_now):
+            if mode == "same_step":
+                fresh[e] = True
+                count[e] = 0
                 continue
-            joint = group is not None and done_now[(e // group) * group:(e // group + 1) * group].all()
-            if joint:
+            lo = (e // group) * group if group else e
+            if group is not None and done_now[lo:lo + group].all():
                 raw[e][-1]["joint"] = True
-                rows_now[e]["next_obs"] = math.nan
+                truth_now[e]["next_obs"] = NAN
                 fresh[e] = True
                 count[e] = 0
             else:
                 reset_due[e] = True
     for e in range(n_streams):
         if reset_due[e] and zero_fill:
-            truth[e][-1]["next_obs"] = math.nan  # never arrived: lost at flush
+            truth[e][-1]["next_obs"] = NAN  # its reset row never arrived: lost at flush
     return raw, truth
+
+
+def _with_flags(row, terminal=None, final=0.0, final_ok=False):
+    return row | dict(joint=False, terminal=terminal, final=final, final_ok=final_ok)
