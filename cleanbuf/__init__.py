@@ -6,10 +6,12 @@ The public API:
   the write path; ``AutoresetFilter.for_env(env)`` configures it from the
   producer.
 * :func:`clean`: one-shot cleaning of a TensorDict or a dict of arrays.
+* :func:`step_rows`: one raw vector-env step as the rows the filter expects.
 * the errors, all ``ValueError`` subclasses.
 """
 
 from cleanbuf._clean import clean
+from cleanbuf._rows import step_rows
 from cleanbuf._errors import (
     CleanbufError,
     InputError,
@@ -27,5 +29,6 @@ __all__ = [
     "ResetRowError",
     "TerminalObservationLostError",
     "clean",
+    "step_rows",
 ]
 __version__ = "0.1.0"

@@ -32,6 +32,36 @@ def _is_gym_vector(env: Any) -> bool:
     return isinstance(env, gymnasium.vector.VectorEnv)
 
 
+def _is_sb3_vec_env(env: Any) -> bool:
+    return any(
+        c.__module__.startswith("stable_baselines3") and c.__name__ == "VecEnv"
+        for c in type(env).__mro__
+    )
+
+
+def _collector_options(collector: Any) -> tuple[dict, str]:
+    """A TorchRL collector: its env's options, plus observation-only data when
+    it was built with ``compact_obs=True``."""
+    env = getattr(collector, "env", None)
+    if env is None:
+        raise CleanbufError(
+            f"cannot find the env of {type(collector).__name__}; call "
+            "AutoresetFilter.for_env(env) with the env it collects from."
+        )
+    opts, why = _torchrl_options(env)
+    if getattr(collector, "compact_obs", False):
+        bookkeeping = {"is_init", "step_count"}
+        keys = []
+        for k in getattr(collector, "_compact_next_keys", ()):
+            root = k[1:] if len(k) > 2 else k[1]
+            name = root[-1] if isinstance(root, tuple) else root
+            if name not in bookkeeping and root not in keys:
+                keys.append(root)
+        opts["observation_keys"] = keys
+        why += ", compact_obs=True: observation-only rows"
+    return opts, why
+
+
 def _torchrl_options(env: Any) -> tuple[dict, str]:
     from torchrl.envs import GymWrapper, TransformedEnv
     from torchrl.envs.batched_envs import BatchedEnvBase
@@ -80,7 +110,8 @@ def options_for_env(env: Any) -> tuple[dict, str]:
     """Returns the filter options that fit ``env``, and a short reason.
 
     Args:
-        env: a TorchRL env, a Gymnasium ``VectorEnv`` or an EnvPool env.
+        env: a TorchRL env or collector, a Gymnasium ``VectorEnv``, a
+            Stable-Baselines3 ``VecEnv`` or an EnvPool env.
 
     Returns:
         ``(options, reason)``.
@@ -95,8 +126,15 @@ def options_for_env(env: Any) -> tuple[dict, str]:
         {'mode': 'next_step', 'layout': 'step'}
     """
     module = type(env).__module__
+    if module.startswith("torchrl.collectors"):
+        return _collector_options(env)
     if module.startswith("torchrl"):
         return _torchrl_options(env)
+    if _is_sb3_vec_env(env):
+        return (
+            {"mode": "same_step", "layout": "step"},
+            f"Stable-Baselines3 {type(env).__name__} (same-step, terminal_observation in infos)",
+        )
     if _is_envpool(env):
         return {"mode": "next_step", "layout": "step"}, "EnvPool env (next-step)"
     if _is_gym_vector(env):

@@ -11,65 +11,11 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter
-from cleanbuf._oracle import STREAM, compare_streams, streams_from_rows
-
-
-def step_rows(obs, action, next_obs, reward, terminated, truncated):
-    """One vector-env step as rows [E] (what a raw loop would store)."""
-    n = len(reward)
-    as_t = torch.as_tensor
-    return TensorDict(
-        {
-            "observation": as_t(obs),
-            "action": as_t(action).reshape(n, -1),
-            STREAM: torch.arange(n),
-            "next": {
-                "observation": as_t(next_obs),
-                "reward": as_t(reward, dtype=torch.float32).reshape(n, 1),
-                "terminated": as_t(terminated).reshape(n, 1),
-                "truncated": as_t(truncated).reshape(n, 1),
-                "done": as_t(terminated | truncated).reshape(n, 1),
-            },
-        },
-        batch_size=[n],
-    )
-
-
-ENVS = {
-    # name, make kwargs, deterministic policy
-    "CartPole-terminates": ("CartPole-v1", {}, lambda obs: np.zeros(len(obs), np.int64)),
-    "Pendulum-truncates": (
-        "Pendulum-v1",
-        {"max_episode_steps": 6},
-        lambda obs: np.clip(-2.0 * obs[:, 2:3], -2.0, 2.0).astype(np.float32),
-    ),
-}
-
-
-def run_loop(name, kwargs, policy, n_envs, steps, mode, rb=None):
-    venv = gym.make_vec(
-        name, num_envs=n_envs, vectorization_mode="sync",
-        vector_kwargs={"autoreset_mode": mode}, **kwargs,
-    )
-    rows = []
-    obs, _ = venv.reset(seed=0)
-    for _ in range(steps):
-        action = policy(obs)
-        next_obs, reward, terminated, truncated, _ = venv.step(action)
-        td = step_rows(obs, action, next_obs, reward, terminated, truncated)
-        if rb is not None:
-            rb.extend(td)
-        rows.append(td)
-        obs = next_obs
-        done = terminated | truncated
-        if mode == gym.vector.AutoresetMode.DISABLED and done.any():
-            reset_obs, _ = venv.reset(options={"reset_mask": done})
-            obs = np.where(done[:, None], reset_obs, next_obs)
-    return venv, rows
+from cleanbuf._oracle import compare_streams, streams_from_rows
+from tests.loops import ENVS, run_loop, step_rows
 
 
 @pytest.mark.parametrize("env_key", list(ENVS))
