@@ -229,3 +229,43 @@ def test_lost_terminal_observation_policies():
     with pytest.raises(Exception, match="on_lost_terminal_obs='raise'"):
         rb.extend(batch)
     assert len(rb) == 0 and filt.stats["rows_in"] == 0
+
+
+def test_for_env_sb3_dummy_vec_env():
+    """Bug caught: an SB3 VecEnv (same-step, terminal observation in infos)
+    configured as next-step, which would drop its real transitions."""
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    venv = DummyVecEnv([lambda: gym.make("CartPole-v1")] * 2)
+    filt = AutoresetFilter.for_env(venv)
+    assert (filt.options.mode, filt.options.layout) == ("same_step", "step")
+    assert "Stable-Baselines3" in repr(filt)
+
+
+def test_compact_keeps_observation_only_layout():
+    """compact=True: the artifacts go, the layout stays observation-only.
+    Bugs caught: next observations materialized anyway (memory doubled),
+    rows held although nothing waits for a successor, reset rows kept."""
+    batch = next_step_batch(2, 30, 6).exclude(("next", "observation"))
+    filt = AutoresetFilter("next_step", observation_keys=["observation"], compact=True)
+    out = filt.inv(batch)
+    assert ("next", "observation") not in out.keys(True, True)
+    assert filt.stats["rows_held"] == 0
+    assert filt.stats["reset_rows_dropped"] > 0
+    assert len(out) == filt.stats["rows_in"] - filt.stats["reset_rows_dropped"]
+    assert (out["next", "reward"] != 0).all()
+
+
+def test_final_observation_entry_stored_only_when_asked():
+    """Bugs caught: the final-observation entry (a second copy of every
+    observation) stored by default, or dropped when keep_final_obs=True."""
+    from tests.batches import same_step_batch
+
+    batch = same_step_batch(2, 12, 0)
+    plain = AutoresetFilter("same_step").inv(batch)
+    kept = AutoresetFilter("same_step", keep_final_obs=True).inv(batch)
+    assert ("next", "final_obs") not in plain.keys(True, True)
+    assert ("next", "_final_obs") not in plain.keys(True, True)
+    assert ("next", "final_obs") in kept.keys(True, True)
+    done = plain["next", "done"].reshape(-1)
+    assert torch.equal(plain["next", "observation"][done], kept["next", "final_obs"][done])

@@ -16,8 +16,9 @@ from cleanbuf import (
     ResetRowError,
     TerminalObservationLostError,
     clean,
+    step_rows,
 )
-from tests.batches import next_step_batch
+from tests.batches import next_step_batch, same_step_batch
 
 
 def _state_equal(a, b):
@@ -214,3 +215,89 @@ def test_clean_dict_with_mismatched_batch_shapes():
     }
     with pytest.raises(InputError, match=r"\('next', 'observation'\)"):
         clean(data, layout="time_last")
+
+
+def _same_step_primed(**options):
+    filt = AutoresetFilter("same_step", **options)
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+    rb.extend(same_step_batch(2, 12, 0))
+    return filt, rb
+
+
+def _assert_unchanged_after(filt, rb, bad, error, *fragments):
+    state, n = filt.state_dict(), len(rb)
+    with pytest.raises(error) as info:
+        rb.extend(bad)
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} not in: {info.value}"
+    assert _state_equal(filt.state_dict(), state) and len(rb) == n
+
+
+def test_final_entry_single_tensor_with_several_observation_keys():
+    """Bug caught: one final-observation tensor written into two observation
+    keys (or into the wrong one)."""
+    filt, rb = _same_step_primed()
+    bad = same_step_batch(2, 12, 1)
+    bad.set("pixels", torch.zeros(2, 12, 3))
+    bad.set(("next", "pixels"), torch.zeros(2, 12, 3))
+    _assert_unchanged_after(filt, rb, bad, InputError, "('next', 'final_obs')", "one tensor",
+                            "'observation'", "'pixels'")
+
+
+def test_final_entry_missing_an_observation_key():
+    """Bug caught: a nested final-observation entry that lacks one of the
+    observation keys, silently leaving that key's reset observation."""
+    filt, rb = _same_step_primed()
+    bad = same_step_batch(2, 12, 1)
+    final = bad["next", "final_obs"]
+    bad = bad.exclude(("next", "final_obs"))
+    bad.set(("next", "final_obs", "observation"), final)
+    for key in ("pixels", ("next", "pixels")):
+        bad.set(key, torch.zeros(2, 12, 3))
+    _assert_unchanged_after(filt, rb, bad, InputError, "lacks", "('next', 'final_obs', 'pixels')",
+                            "final_obs_key=")
+
+
+def test_final_mask_not_boolean():
+    """Bug caught: a 0/1 float mask used as truthiness, or as a row index."""
+    filt, rb = _same_step_primed()
+    bad = same_step_batch(2, 12, 1)
+    bad.set(("next", "_final_obs"), bad["next", "_final_obs"].float())
+    _assert_unchanged_after(filt, rb, bad, InputError, "('next', '_final_obs')", "torch.bool",
+                            "torch.float32")
+
+
+def test_final_entry_of_another_shape():
+    """Bug caught: a final observation broadcast into a next observation of
+    another shape."""
+    filt, rb = _same_step_primed()
+    bad = same_step_batch(2, 12, 1)
+    bad.set(("next", "final_obs"), torch.zeros(2, 12, 5))
+    _assert_unchanged_after(filt, rb, bad, InputError, "('next', 'final_obs')", "[24, 5]", "[24, 1]")
+
+
+def test_observation_keys_partly_observation_only():
+    """Bug caught: one observation key re-stitched from successors while
+    another keeps its stored next observation (mixed layouts)."""
+    filt = AutoresetFilter("next_step", observation_keys=["observation", "pixels"])
+    bad = next_step_batch(2, 12, 1)
+    bad.set("pixels", torch.zeros(2, 12, 3))
+    with pytest.raises(InputError, match=r"'observation' have a \('next', ...\) twin but 'pixels'"):
+        filt.inv(bad)
+    assert filt.stats["rows_in"] == 0
+
+
+def test_joint_reset_with_same_step():
+    """Bug caught: a next-step-only option silently ignored in same-step mode."""
+    with pytest.raises(CleanbufError, match="joint_reset=True describes next-step data"):
+        AutoresetFilter("same_step", joint_reset=True)
+
+
+def test_step_rows_bad_input():
+    """Bugs caught: per-env arrays of the wrong length zipped into rows; a
+    Gymnasium step without truncations mistaken for an SB3 step."""
+    obs = np.zeros((3, 4), np.float32)
+    with pytest.raises(InputError, match=r"next_obs must have the envs first, shape \[3, ...\]; got shape \[2, 4\]"):
+        step_rows(obs, np.zeros(3), obs[:2], np.zeros(3), np.zeros(3, bool), np.zeros(3, bool))
+    with pytest.raises(InputError, match="truncated=None is for Stable-Baselines3"):
+        step_rows(obs, np.zeros(3), obs, np.zeros(3), np.zeros(3, bool), None, {})
