@@ -40,6 +40,29 @@ class AutoresetFilter(Transform):
     ``joint_reset=True`` the filter knows this, does not hold those rows, and
     applies ``on_lost_terminal_obs`` to them. :meth:`for_env` sets it.
 
+    **Same-step mode.** Producers that reset on the same step (Gymnasium
+    ``SAME_STEP``, Stable-Baselines3 ``VecEnv``, gym 0.26, ManiSkill, Isaac
+    Lab) return the reset observation as the done row's next observation and
+    the terminal one in an info entry. No row is dropped; the done row's
+    ``("next", obs)`` is taken from the final-observation entry
+    (``("next", "final_obs")``, ``("next", "final_observation")`` or
+    ``("next", "terminal_observation")``, or ``final_obs_key``; one tensor,
+    or a sub-TensorDict with the observation keys), whose per-row mask
+    ``("next", "_final_obs")`` says where it is present. The entry is not
+    stored unless ``keep_final_obs=True``. A done row without it raises by
+    default (``on_lost_terminal_obs`` chooses otherwise).
+
+    **Observation-only data.** When the observation keys have no
+    ``("next", k)`` (TorchRL ``Collector(compact_obs=True)``, loops that
+    store each observation once), every row gets ``("next", k)`` from the
+    next row of its stream (a next-step done row: from its reset row, the
+    terminal observation; a same-step done row: from its final entry). The
+    last row of each stream in a call is held until that row arrives. With
+    ``compact=True`` the layout stays observation-only: only the artifacts
+    go, nothing is held, half the memory, and the terminal observations of
+    done rows are not stored (a next-step reset row that is dropped took its
+    terminal observation with it).
+
     **Honest failure modes.** A supposed reset row with a nonzero reward or
     a done flag raises :class:`~cleanbuf.ResetRowError` (wrong mode or
     flavour, or a reward transform that moves 0: ``check_reset_rows=False``).
@@ -49,8 +72,8 @@ class AutoresetFilter(Transform):
     and the buffer unchanged.
 
     Args:
-        mode: "next_step", "same_step" (not implemented yet), "disabled"
-            (validate and pass through), or a ``gymnasium.vector.AutoresetMode``.
+        mode: "next_step", "same_step", "disabled" (validate and pass
+            through), or a ``gymnasium.vector.AutoresetMode``.
 
     Keyword Args:
         layout: None to infer (``[*E, T]`` time-last collector batches, a
@@ -63,8 +86,8 @@ class AutoresetFilter(Transform):
         reset_group_size: streams per reset group (consecutive in C order);
             None means all streams of a call.
         on_lost_terminal_obs: "nan", "drop", "raise" or "keep". None (the
-            default) is "nan" for floating observations and an error for
-            integer ones.
+            default) is, in next-step mode, "nan" for floating observations
+            and an error for integer ones; in same-step mode an error.
         terminal_obs_in_done_row: whether the producer stores the terminal
             observation in the done row itself (raw Gymnasium and EnvPool
             loops do; TorchRL zero-fills it). Decides whether :meth:`flush`
@@ -74,12 +97,16 @@ class AutoresetFilter(Transform):
             done.
         observation_keys: list of observation keys; None discovers every key
             present at the root and under "next" (done, reward and
-            bookkeeping keys excluded).
+            bookkeeping keys excluded). Observation-only data needs them.
         done_key: the done key; None uses ``("next", "done")``, else
             ``("next", "terminated") | ("next", "truncated")``.
         reward_key: the reward key for the reset-row check.
         is_init_key: the ``InitTracker`` key (None to leave it alone).
         step_count_key: the ``StepCounter`` key (None to leave it alone).
+        final_obs_key: same-step mode: the final-observation entry; None
+            looks for the common names.
+        keep_final_obs: same-step mode: store the final-observation entry too.
+        compact: observation-only data: keep it observation-only (see above).
 
     Examples:
         >>> import torch
@@ -114,7 +141,9 @@ class AutoresetFilter(Transform):
         Reads the auto-reset behaviour from TorchRL ``GymEnv`` /
         ``GymWrapper`` (also inside ``TransformedEnv``, and ``ParallelEnv`` /
         ``SerialEnv`` of them, where each worker is its own reset group), a
-        Gymnasium ``VectorEnv`` or an EnvPool env.
+        TorchRL collector (``compact_obs=True`` makes the data
+        observation-only), a Gymnasium ``VectorEnv``, a Stable-Baselines3
+        ``VecEnv`` or an EnvPool env.
 
         Args:
             env: the producer.
@@ -143,7 +172,8 @@ class AutoresetFilter(Transform):
     def stats(self) -> dict:
         """Counters: ``rows_in``, ``rows_out``, ``reset_rows_dropped``,
         ``next_obs_restitched``, ``terminal_obs_missing``,
-        ``lost_rows_dropped``, ``rows_held``, ``episodes_completed``."""
+        ``next_obs_missing``, ``lost_rows_dropped``, ``rows_held``,
+        ``episodes_completed``."""
         return self._cleaner.stats
 
     def flush(self, rb: Any = None) -> TensorDictBase | None:
