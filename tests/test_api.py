@@ -269,3 +269,24 @@ def test_final_observation_entry_stored_only_when_asked():
     assert ("next", "final_obs") in kept.keys(True, True)
     done = plain["next", "done"].reshape(-1)
     assert torch.equal(plain["next", "observation"][done], kept["next", "final_obs"][done])
+
+
+def test_clean_same_step_and_observation_only():
+    """clean() takes the same-step and observation-only options. Bugs caught:
+    clean() ignoring mode='same_step' (done rows keep the reset observation)
+    or not flushing the rows that wait for a successor."""
+    from tests.batches import same_step_batch
+
+    batch = same_step_batch(2, 12, 0)
+    out = clean(batch, mode="same_step")
+    done = out["next", "done"].reshape(-1)
+    assert torch.equal(out["next", "observation"][done], batch["next", "final_obs"].reshape(-1, 1)[
+        batch["next", "done"].reshape(-1)])
+    obs_only = clean(batch.exclude(("next", "observation")), mode="same_step",
+                     observation_keys=["observation"], on_lost_terminal_obs="nan")
+    assert len(obs_only) == batch.numel()
+    # The last row of each stream has no successor, unless it is a done row
+    # (its final observation is its next observation).
+    waiting = int((~batch["next", "done"][:, -1]).sum())
+    assert waiting > 0
+    assert int(torch.isnan(obs_only["next", "observation"]).sum()) == waiting
