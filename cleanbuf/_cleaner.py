@@ -39,6 +39,9 @@ STAT_NAMES = (
 )
 
 
+_NO_FLAGS = np.zeros(0, np.bool_)  # an absent optional per-row array, for the kernel
+
+
 def _fmt(key: tuple) -> str:
     return repr(key[0]) if len(key) == 1 else repr(key)
 
@@ -103,10 +106,10 @@ class Cleaner:
         self._check_held_schema(moved)
         n_streams = int(np.prod(layout.stream_shape, dtype=np.int64))
         carry = self._carry.grown(n_streams)
-        final_ok = present if present is not None else np.full(n, bool(final_of))
-        (code, next_src, init_fix, row_shift, released_src, pending, waiting, need_init, shift,
-         counts, bad_row) = _kernels.plan(
-            layout.stream, done, self._joint(done, layout, n_streams), final_ok,
+        (code, next_src, released_src, pending, waiting, need_init, shift, counts,
+         bad_row) = _kernels.plan(
+            n, layout.steps, layout.stream, done, self._joint(done, layout, n_streams),
+            _NO_FLAGS if present is None else present, bool(final_of),
             self._reward_rows(leaves, n), carry.pending, carry.waiting, carry.need_init,
             carry.shift, not same_step, obs_only and stitch, same_step and stitch, stitch,
         )
@@ -114,7 +117,7 @@ class Cleaner:
             self._raise_bad_reset_row(bad_row, done, layout)
         n_drop, n_lost, n_done = (int(c) for c in counts)
         policy = self._lost_policy(obs_keys, leaves, n_lost, obs_only)
-        sel = _kernels.select_rows(code, next_src, init_fix, row_shift, policy == "drop")
+        sel = _kernels.select_rows(code, next_src, policy == "drop")
         emit, hold, stitched, _, _, final, emit_init, hold_init, emit_shift, hold_shift = sel
         slot_of = np.full(n_streams, -1, np.int64)
         slot_of[carry.held_stream] = np.arange(len(carry.held_stream))
@@ -131,7 +134,7 @@ class Cleaner:
         kept_old = ~released[carry.held_stream]
         carry.pending, carry.waiting, carry.need_init, carry.shift = pending, waiting, need_init, shift
         carry.held = _cat_held(carry.held, kept_old, new_held)
-        carry.held_stream = np.concatenate([carry.held_stream[kept_old], layout.stream[hold]])
+        carry.held_stream = np.concatenate([carry.held_stream[kept_old], layout.stream_of(hold)])
         self._carry = carry
         self._commit_layout(layout)
         n_out = n_rel + len(emit)
@@ -261,7 +264,7 @@ class Cleaner:
 
     def _joint(self, done: np.ndarray, layout: CallLayout, n_streams: int) -> np.ndarray:
         if not self.options.joint_reset:
-            return np.zeros(layout.n_rows, np.bool_)
+            return _NO_FLAGS
         group = self.options.reset_group_size or n_streams
         if n_streams % group:
             raise LayoutError(
@@ -276,14 +279,14 @@ class Cleaner:
         """Per row, nonzero where the reward is not exactly 0 (for the reset-row check)."""
         key = self.options.reward_key
         if not self.options.check_reset_rows or key is None or key not in leaves:
-            return np.zeros(n_rows, np.uint8)
+            return _NO_FLAGS
         reward = leaves[key]
         if reward.device.type == "cpu" and reward.shape[1:].numel() == 1 and not reward.dtype.is_complex:
             return reward.detach().reshape(n_rows).numpy()
         return (reward != 0).reshape(n_rows, -1).any(1).to(torch.uint8).cpu().numpy()
 
     def _raise_bad_reset_row(self, row, done, layout) -> None:
-        stream = int(layout.stream[row])
+        stream = int(layout.stream_of(np.array([row]))[0])
         what = "is itself done" if done[row] else "has a nonzero reward"
         raise ResetRowError(
             f"row {row} (stream {stream}) follows a done row, so in next-step mode it "

@@ -5,7 +5,8 @@ Python callers (``_cleaner.py``) before a kernel runs; the kernels assume
 well-formed input and never raise. They are checked against the row-by-row
 reference cleaner in ``tests/reference.py`` on random streams.
 
-Row codes written by :func:`plan` (one per input row):
+Row codes written by :func:`plan` (one byte per input row, the low three
+bits; two more bits carry the bookkeeping fixes):
 
 * ``EMIT``: a transition emitted in this call as it is.
 * ``DROP``: a reset row (next-step mode: the artifact after a done row).
@@ -43,30 +44,43 @@ HOLD = 2
 STITCHED = 3
 LOST = 4
 FINAL = 5
+# Each row's code byte also carries two bookkeeping bits.
+CODE_MASK = 7
+INIT_BIT = 8  # set is_init on this row
+SHIFT_BIT = 16  # subtract 1 from this row's step counts
 
 
 @njit(cache=True, nogil=True)
-def plan(stream, done, joint, final_ok, reward, pending, waiting, need_init, shift,
-         reset_rows, successor, final, stitch):
+def plan(n, steps, stream, done, joint, final_ok, final_default, reward, pending, waiting,
+         need_init, shift, reset_rows, successor, final, stitch):
     """Plans one call from flags and the carry state, in one pass over the rows.
 
+    It reads one flag byte per row (plus the reward where the reset-row check
+    is on) and writes one code byte per row, so it runs at memory speed
+    whatever the observations are.
+
     Args:
-        stream: int64[N], dense stream index of each row (0 <= s < S). Rows of
-            one stream are in time order; streams may interleave freely.
+        n: rows in the call.
+        steps: rows per stream in time-last order (row ``i`` belongs to stream
+            ``i // steps``); 0 to read ``stream`` instead.
+        stream: int64[N] dense stream index of each row (0 <= s < S), used
+            when ``steps`` is 0. Rows of one stream are in time order;
+            streams may interleave freely.
         done: bool[N], the row ends an episode.
-        joint: bool[N], a done row at a step where its whole reset group is
-            done: no reset row follows it (next-step mode).
-        final_ok: bool[N], the row's final-observation entry is present
-            (same-step mode).
-        reward: numeric[N], nonzero where the reward is not exactly zero (the
-            reset-row signature check; all zero when the check is off).
+        joint: bool[N] or empty: a done row at a step where its whole reset
+            group is done, so no reset row follows it (next-step mode).
+        final_ok: bool[N] or empty (then ``final_default`` for every row):
+            the row's final-observation entry is present (same-step mode).
+        final_default: see ``final_ok``.
+        reward: numeric[N] or empty (check off): nonzero where the reward is
+            not exactly zero (the reset-row signature check).
         pending: bool[S] carry, a reset row comes next in the stream.
         waiting: bool[S] carry, the stream's held row waits for the next row
             of the stream as its next observation's source.
         need_init: bool[S] carry, the next kept row starts an episode that an
             auto-reset began (its ``is_init`` must be set).
-        shift: int64[S] carry, amount to subtract from ``step_count`` in the
-            stream's current episode.
+        shift: int64[S] carry, 1 where the stream's current episode began with
+            a dropped reset row (its step counts are one too high).
         reset_rows: next-step mode: a reset row follows each non-joint done row.
         successor: observation-only data: each row's next observation is the
             next row's observation (or, with ``final``, a done row's final
@@ -77,42 +91,42 @@ def plan(stream, done, joint, final_ok, reward, pending, waiting, need_init, shi
             no row waits).
 
     Returns:
-        ``(code, next_src, init_fix, row_shift, released_src, pending,
-        waiting, need_init, shift, counts, bad_row)``: per-row code (module
-        docstring); per-row source row of the next observation (``STITCHED``
-        rows, else -1); per-row "set is_init"; per-row step-count shift;
+        ``(code, next_src, released_src, pending, waiting, need_init, shift,
+        counts, bad_row)``: the per-row code byte (module docstring); per-row
+        source row of the next observation (set for ``STITCHED`` rows only);
         per-stream source row for the stream's held row from an earlier call
         (-1 if not released); the new carry arrays (fresh copies; the inputs
         are untouched); int64[3] counts of reset rows, lost terminal
         observations and done rows; and the first supposed reset row that
         fails the signature check (-1 if none; the rest is then meaningless).
     """
-    n = stream.shape[0]
     n_streams = pending.shape[0]
     pending = pending.copy()
     waiting = waiting.copy()
     need_init = need_init.copy()
     shift = shift.copy()
-    code = np.full(n, EMIT, np.int8)
-    next_src = np.full(n, -1, np.int64)
-    init_fix = np.zeros(n, np.bool_)
-    row_shift = np.zeros(n, np.int64)
+    has_joint = joint.shape[0] > 0
+    has_final = final_ok.shape[0] > 0
+    check = reward.shape[0] > 0
+    code = np.empty(n, np.int8)
+    next_src = np.empty(n, np.int64)
     released_src = np.full(n_streams, -1, np.int64)
     open_row = np.full(n_streams, -1, np.int64)
     counts = np.zeros(3, np.int64)
     bad_row = -1
     for i in range(n):
-        s = stream[i]
+        s = i // steps if steps > 0 else stream[i]
         # This row is the source of the next observation of the row before it.
-        if open_row[s] >= 0:
-            code[open_row[s]] = STITCHED
-            next_src[open_row[s]] = i
+        o = open_row[s]
+        if o >= 0:
+            code[o] = (code[o] & ~CODE_MASK) | STITCHED
+            next_src[o] = i
             open_row[s] = -1
         elif waiting[s]:
             released_src[s] = i
             waiting[s] = False
         if reset_rows and pending[s]:
-            if done[i] or reward[i] != 0:
+            if done[i] or (check and reward[i] != 0):
                 bad_row = i
                 break
             code[i] = DROP
@@ -121,58 +135,51 @@ def plan(stream, done, joint, final_ok, reward, pending, waiting, need_init, shi
             need_init[s] = True
             shift[s] = 1
             continue
-        init_fix[i] = need_init[s]
-        need_init[s] = False
-        row_shift[i] = shift[s]
+        c = EMIT
+        if need_init[s]:
+            c |= INIT_BIT
+            need_init[s] = False
+        if shift[s]:
+            c |= SHIFT_BIT
         if done[i]:
             counts[2] += 1
             shift[s] = 0
             if reset_rows:
-                if joint[i]:
-                    code[i] = LOST
+                if has_joint and joint[i]:
+                    code[i] = c | LOST
                     counts[1] += 1
                     continue
                 pending[s] = True
             elif final:
-                if final_ok[i]:
-                    code[i] = FINAL
+                ok = final_ok[i] if has_final else final_default
+                if ok:
+                    code[i] = c | FINAL
                 else:
-                    code[i] = LOST
+                    code[i] = c | LOST
                     counts[1] += 1
                 continue
         elif not successor:
+            code[i] = c
             continue
         if stitch and (successor or done[i]):
-            code[i] = HOLD
+            code[i] = c | HOLD
             open_row[s] = i
+        else:
+            code[i] = c
     # Rows still open wait for a later call.
     for s in range(n_streams):
         if open_row[s] >= 0:
             waiting[s] = True
-    return (
-        code,
-        next_src,
-        init_fix,
-        row_shift,
-        released_src,
-        pending,
-        waiting,
-        need_init,
-        shift,
-        counts,
-        bad_row,
-    )
+    return code, next_src, released_src, pending, waiting, need_init, shift, counts, bad_row
 
 
 @njit(cache=True, nogil=True)
-def select_rows(code, next_src, init_fix, row_shift, drop_lost):
+def select_rows(code, next_src, drop_lost):
     """Splits planned rows into the rows to emit now and the rows to hold.
 
     Args:
-        code: int8[N] row codes from :func:`plan`.
+        code: int8[N] row code bytes from :func:`plan`.
         next_src: int64[N] next-observation sources from :func:`plan`.
-        init_fix: bool[N], per-row "set is_init" from the plan.
-        row_shift: int64[N], per-row step-count shift from the plan.
         drop_lost: drop ``LOST`` rows instead of emitting them.
 
     Returns:
@@ -181,19 +188,20 @@ def select_rows(code, next_src, init_fix, row_shift, drop_lost):
         (input order); the positions within ``emit`` of ``STITCHED`` rows and
         their source rows; the positions within ``emit`` of ``LOST`` and
         ``FINAL`` rows; the positions within ``emit`` and ``hold`` whose
-        ``is_init`` must be set; the step-count shift of each emitted and held
-        row.
+        ``is_init`` must be set; int8 per emitted and held row, 1 where its
+        step counts must drop by one.
     """
     n = code.shape[0]
     n_emit = n_hold = n_stitched = n_lost = n_final = n_emit_init = n_hold_init = 0
     for i in range(n):
-        c = code[i]
+        c = code[i] & CODE_MASK
+        init = (code[i] & INIT_BIT) != 0
         if c == HOLD:
             n_hold += 1
-            n_hold_init += init_fix[i]
+            n_hold_init += init
         elif c != DROP and (c != LOST or not drop_lost):
             n_emit += 1
-            n_emit_init += init_fix[i]
+            n_emit_init += init
             n_stitched += c == STITCHED
             n_lost += c == LOST
             n_final += c == FINAL
@@ -205,17 +213,19 @@ def select_rows(code, next_src, init_fix, row_shift, drop_lost):
     final = np.empty(n_final, np.int64)
     emit_init = np.empty(n_emit_init, np.int64)
     hold_init = np.empty(n_hold_init, np.int64)
-    emit_shift = np.empty(n_emit, np.int64)
-    hold_shift = np.empty(n_hold, np.int64)
+    emit_shift = np.empty(n_emit, np.int8)
+    hold_shift = np.empty(n_hold, np.int8)
     a = b = p = q = f = u = v = 0
     for i in range(n):
-        c = code[i]
+        c = code[i] & CODE_MASK
+        init = (code[i] & INIT_BIT) != 0
+        sh = 1 if (code[i] & SHIFT_BIT) != 0 else 0
         if c == HOLD:
-            if init_fix[i]:
+            if init:
                 hold_init[v] = b
                 v += 1
             hold[b] = i
-            hold_shift[b] = row_shift[i]
+            hold_shift[b] = sh
             b += 1
         elif c != DROP and (c != LOST or not drop_lost):
             if c == STITCHED:
@@ -228,11 +238,11 @@ def select_rows(code, next_src, init_fix, row_shift, drop_lost):
             elif c == FINAL:
                 final[f] = a
                 f += 1
-            if init_fix[i]:
+            if init:
                 emit_init[u] = a
                 u += 1
             emit[a] = i
-            emit_shift[a] = row_shift[i]
+            emit_shift[a] = sh
             a += 1
     return (emit, hold, stitched, stitched_src, lost, final, emit_init, hold_init,
             emit_shift, hold_shift)

@@ -36,7 +36,9 @@ class CallLayout:
         stream_shape: the shape of the stream dimensions (``*E``; ``()`` for
             a single stream, ``(S,)`` for stream-key data).
         n_rows: rows in the call.
-        stream: int64[n_rows] dense stream index of each flat row.
+        stream: int64[n_rows] dense stream index of each flat row, for
+            stream-key data (empty otherwise: row ``i`` belongs to stream
+            ``i // steps``).
         steps: time steps per stream in this call (``T``; 1 for "step";
             0 for "stream_key", where it varies).
         new_stream_ids: stream ids seen for the first time (stream-key only).
@@ -49,17 +51,23 @@ class CallLayout:
     steps: int
     new_stream_ids: np.ndarray | None = None
 
+    def stream_of(self, rows: np.ndarray) -> np.ndarray:
+        """The dense stream index of the given flat rows."""
+        return rows // self.steps if self.steps else self.stream[rows]
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+
 
 def _time_last(batch_size: torch.Size) -> CallLayout:
     stream_shape = tuple(batch_size[:-1])
     steps = int(batch_size[-1])
     n_streams = int(np.prod(stream_shape, dtype=np.int64))
-    stream = np.repeat(np.arange(n_streams, dtype=np.int64), steps)
-    return CallLayout("time_last", stream_shape, n_streams * steps, stream, steps)
+    return CallLayout("time_last", stream_shape, n_streams * steps, _NO_ROWS, steps)
 
 
 def _single_stream(steps: int) -> CallLayout:
-    return CallLayout("time_last", (), steps, np.zeros(steps, np.int64), steps)
+    return CallLayout("time_last", (), steps, _NO_ROWS, steps)
 
 
 def resolve(
@@ -86,7 +94,7 @@ def resolve(
 
     Examples:
         >>> lay = resolve(torch.Size([2, 3]), [None, None], None, None, None)
-        >>> lay.stream.tolist()
+        >>> lay.stream_of(np.arange(6)).tolist()
         [0, 0, 0, 1, 1, 1]
     """
     ndim = len(batch_size)
@@ -129,7 +137,7 @@ def resolve(
                 "layout=None; if you called rb.add() with E envs, call rb.extend() instead."
             )
         n = int(batch_size[0])
-        return CallLayout("step", (n,), n, np.arange(n, dtype=np.int64), 1)
+        return CallLayout("step", (n,), n, _NO_ROWS, 1)
     # stream_key
     if ndim != 1:
         raise LayoutError(

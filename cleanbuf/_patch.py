@@ -80,7 +80,7 @@ def fix_bookkeeping(rows, offset, init_pos, row_shift, is_init_key, step_count_k
     if len(init_pos) and is_init_key in rows:
         fill_rows(rows[is_init_key], offset + init_pos, True)
     if step_count_key in rows and row_shift.any():
-        shift = torch.from_numpy(row_shift)
+        shift = torch.from_numpy(row_shift)  # int8, 0 or 1 per row
         for key in (step_count_key, ("next", *step_count_key)):
             if key in rows:
                 x = rows[key]
