@@ -1,0 +1,72 @@
+"""Measurements that need a fresh process: start-up time and peak memory.
+
+Run by ``bench/run.py`` as ``python -m bench.child startup plain|filter`` or
+``python -m bench.child memory plain|filter``; prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+T0 = time.perf_counter()
+
+
+def startup(variant: str) -> dict:
+    """Imports, builds a buffer, extends it once with a small batch."""
+    import torch
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    t1 = time.perf_counter()
+    transform = None
+    if variant == "filter":
+        import cleanbuf
+
+        transform = cleanbuf.AutoresetFilter()
+    E, T = 8, 128
+    done = torch.zeros(E, T, 1, dtype=torch.bool)
+    done[:, 10] = True
+    reward = torch.ones(E, T, 1)
+    reward[:, 11] = 0
+    batch = TensorDict({"observation": torch.zeros(E, T, 17),
+                        ("next", "observation"): torch.zeros(E, T, 17),
+                        ("next", "reward"): reward, ("next", "done"): done}, [E, T])
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000), transform=transform)
+    rb.extend(batch if variant == "filter" else batch.reshape(-1))
+    t2 = time.perf_counter()
+    return {"total_s": t2 - T0, "torch_import_s": t1 - T0, "after_import_s": t2 - t1}
+
+
+def memory(variant: str) -> dict:
+    """Streams 1 GB of Atari-like [8, 128] batches into a 4-batch buffer; peak RSS."""
+    import torch
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    from bench.data import make_batch
+
+    torch.set_num_threads(1)
+    transform = None
+    if variant == "filter":
+        import cleanbuf
+
+        transform = cleanbuf.AutoresetFilter()
+    batch_bytes = 0
+    streamed = 0
+    rb = ReplayBuffer(storage=LazyTensorStorage(4 * 1024), transform=transform)
+    template = make_batch("atari", 0.02)
+    while streamed < 2**30:
+        batch = template.clone()  # fresh memory each batch, as a collector hands over
+        batch_bytes = sum(v.numel() * v.element_size() for v in batch.values(True, True))
+        rb.extend(batch if variant == "filter" else batch.reshape(-1))
+        streamed += batch_bytes
+        del batch
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak_bytes": peak, "batch_bytes": batch_bytes, "streamed_bytes": streamed}
+
+
+if __name__ == "__main__":
+    what, variant = sys.argv[1], sys.argv[2]
+    print(json.dumps({"startup": startup, "memory": memory}[what](variant)))

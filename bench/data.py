@@ -1,0 +1,131 @@
+"""Synthetic collector batches and the baselines the benchmarks compare against."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torchrl.envs.transforms import Transform
+
+E, T = 8, 128
+
+
+def make_batch(kind: str, reset_frac: float, n_envs: int = E, steps: int = T, seed: int = 0) -> TensorDict:
+    """A next-step [n_envs, steps] batch shaped like TorchRL collector output.
+
+    Episodes last about ``1 / reset_frac - 1`` steps, each followed by its
+    reset row (reward 0, is_init, step_count 0). No done row in the last two
+    steps, so the same batch can be extended again and again with a
+    consistent filter state. ``reset_frac=0`` gives a batch without episode
+    ends. ``kind`` is "mujoco" (17 float obs, 6 float action) or "atari"
+    (4x84x84 uint8 obs).
+    """
+    rng = np.random.default_rng(seed)
+    done = np.zeros((n_envs, steps), bool)
+    reset = np.zeros((n_envs, steps), bool)
+    if reset_frac > 0:
+        length = max(1, round(1 / reset_frac) - 1)
+        for e in range(n_envs):
+            t = int(rng.integers(0, length))
+            while t < steps - 2:
+                done[e, t] = True
+                reset[e, t + 1] = True
+                t += length + 1
+    if kind == "mujoco":
+        obs = torch.randn(n_envs, steps, 17)
+        nobs = torch.randn(n_envs, steps, 17)
+        action = torch.randn(n_envs, steps, 6)
+    else:
+        obs = torch.randint(0, 256, (n_envs, steps, 4, 84, 84), dtype=torch.uint8)
+        nobs = torch.randint(0, 256, (n_envs, steps, 4, 84, 84), dtype=torch.uint8)
+        action = torch.randint(0, 6, (n_envs, steps, 1))
+    reward = torch.ones(n_envs, steps, 1)
+    reward[torch.from_numpy(reset)] = 0.0
+    done_t = torch.from_numpy(done).unsqueeze(-1)
+    step = torch.arange(steps).expand(n_envs, steps).unsqueeze(-1).clone()
+    return TensorDict(
+        {
+            "observation": obs,
+            "action": action,
+            "is_init": torch.from_numpy(reset).unsqueeze(-1),
+            "step_count": step,
+            ("collector", "traj_ids"): torch.zeros(n_envs, steps, dtype=torch.int64),
+            "next": {
+                "observation": nobs,
+                "reward": reward,
+                "done": done_t,
+                "terminated": done_t.clone(),
+                "truncated": torch.zeros_like(done_t),
+                "step_count": step + 1,
+            },
+        },
+        batch_size=[n_envs, steps],
+    )
+
+
+class NaiveFilter(Transform):
+    """The naive idiom: drop the rows that follow a done row with ``td[keep_mask]``
+    (as TorchRL's ``PolicyAgeFilter`` filters)."""
+
+    def __init__(self):
+        super().__init__(in_keys=[], out_keys=[])
+
+    def _inv_call(self, td):
+        done = td["next", "done"].squeeze(-1)
+        keep = torch.ones_like(done)
+        keep[..., 1:] = ~done[..., :-1]
+        return td[keep]
+
+
+class ReshapeOnly(Transform):
+    """The floor of TorchRL's transform machinery: a transform that only flattens."""
+
+    def __init__(self):
+        super().__init__(in_keys=[], out_keys=[])
+
+    def _inv_call(self, td):
+        return td.reshape(-1)
+
+
+class MinimalCompaction(Transform):
+    """The floor of any compacting filter: a precomputed row index, one
+    ``index_select`` per leaf, an unchecked TensorDict build. No planning, no
+    patching, no state: what is left for cleanbuf to spend is above this."""
+
+    def __init__(self, keep_index: torch.Tensor):
+        super().__init__(in_keys=[], out_keys=[])
+        self.keep_index = keep_index
+
+    def _inv_call(self, td):
+        n = td.numel()
+        out = {}
+        for key, value in td.items(include_nested=True, leaves_only=True):
+            out[key] = value.reshape(n, *value.shape[td.batch_dims:]).index_select(0, self.keep_index)
+        nested: dict = {}
+        for k, v in out.items():
+            k = k if isinstance(k, tuple) else (k,)
+            node = nested
+            for p in k[:-1]:
+                node = node.setdefault(p, {})
+            node[k[-1]] = v
+        size = torch.Size([len(self.keep_index)])
+        return TensorDict._new_unsafe(
+            {k: TensorDict._new_unsafe(v, batch_size=size) if isinstance(v, dict) else v
+             for k, v in nested.items()},
+            batch_size=size,
+        )
+
+
+def gymnasium_recipe(obs, actions, rewards, terms, truncs, next_obs):
+    """Gymnasium's documented next-step replay-buffer recipe: a Python loop over
+    steps and envs that skips the step after each episode end. Arrays are
+    [T, E, ...] numpy; returns the kept transitions as a list of tuples."""
+    buffer = []
+    n_steps, n_envs = rewards.shape
+    autoreset = np.zeros(n_envs, bool)
+    for t in range(n_steps):
+        for j in range(n_envs):
+            if not autoreset[j]:
+                buffer.append((obs[t, j], actions[t, j], rewards[t, j], terms[t, j], truncs[t, j], next_obs[t, j]))
+        autoreset = np.logical_or(terms[t], truncs[t])
+    return buffer

@@ -1,0 +1,293 @@
+"""The benchmark suite: one command, a few minutes, every target of the performance issue.
+
+Run: ``.venv/bin/python -m bench.run`` (``--quick`` for a smoke run). It
+prints a table (case, baseline, ours, ratio, target, pass/fail) and writes
+``bench/results.md``, ``bench/results.json`` and ``bench/results.png``.
+
+Times are medians over rounds in which the variants run alternately, in one
+process, on one torch thread; a ratio is the median of the per-round ratios
+(these machines are noisy, so nothing is compared across runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+import tensordict
+import torch
+import torchrl
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+from bench.data import MinimalCompaction, NaiveFilter, ReshapeOnly, gymnasium_recipe, make_batch
+from cleanbuf import AutoresetFilter, _kernels
+
+HERE = Path(__file__).parent
+
+
+def alternate(calls: dict, rounds: int, sync=lambda: None) -> dict:
+    """Times each callable ``rounds`` times, rotating their order every round."""
+    for fn in calls.values():  # warm up: storage allocation, numba, caches
+        for _ in range(3):
+            fn()
+    times = {k: [] for k in calls}
+    order = list(calls)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[: r % len(order)]:
+            start = time.perf_counter()
+            calls[name]()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def ratio(times: dict, num: str, den: str) -> float:
+    return statistics.median(a / b for a, b in zip(times[num], times[den]))
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+class Table:
+    def __init__(self):
+        self.rows = []
+
+    def add(self, case, baseline, ours, value, target, op, unit="x", note=""):
+        ok = None if op is None else (value <= target if op == "<=" else value >= target)
+        self.rows.append({
+            "case": case, "baseline": baseline, "ours": ours, "ratio": value,
+            "ratio_str": f"{value:.2f}{unit}" if unit == "x" else f"{value:.3g} {unit}",
+            "target": "-" if op is None else f"{op} {target:g}{unit if unit == 'x' else ' ' + unit}",
+            "target_value": target, "op": op,
+            "pass": "-" if ok is None else ("pass" if ok else "FAIL"), "note": note,
+        })
+
+    def markdown(self) -> str:
+        lines = ["| case | baseline | ours | ratio | target | pass/fail |", "|---|---|---|---|---|---|"]
+        for r in self.rows:
+            note = f" ({r['note']})" if r["note"] else ""
+            lines.append(f"| {r['case']}{note} | {r['baseline']} | {r['ours']} | {r['ratio_str']} | {r['target']} | {r['pass']} |")
+        return "\n".join(lines)
+
+
+def extend_cases(table: Table, kind: str, frac: float, rounds: int) -> None:
+    batch = make_batch(kind, frac)
+    capacity = batch.numel() * 4
+    n = batch.numel()
+    done = batch["next", "done"].reshape(-1)
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[1:] = ~done[:-1]
+    keep = keep.reshape(batch.shape)
+    keep[:, 0] = True
+    keep_index = torch.nonzero(keep.reshape(-1)).flatten()
+    rbs = {
+        "plain": ReplayBuffer(storage=LazyTensorStorage(capacity)),
+        "filter": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=AutoresetFilter()),
+        "naive": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=NaiveFilter()),
+        "reshape": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=ReshapeOnly()),
+        "compact": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=MinimalCompaction(keep_index)),
+    }
+    calls = {
+        "plain": lambda: rbs["plain"].extend(batch.reshape(-1)),
+        "filter": lambda: rbs["filter"].extend(batch),
+        "naive": lambda: rbs["naive"].extend(batch),
+        "reshape": lambda: rbs["reshape"].extend(batch),
+        "compact": lambda: rbs["compact"].extend(batch),
+    }
+    if frac == 0:
+        del calls["naive"], calls["compact"]
+    times = alternate(calls, rounds)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    name = {"mujoco": "MuJoCo-like", "atari": "Atari-like"}[kind]
+    what = f"{frac:.0%} reset rows" if frac else "no reset rows"
+    targets = {("mujoco", 0.02): 1.15, ("atari", 0.02): 1.10, ("mujoco", 0.10): 1.20,
+               ("atari", 0.10): 1.15, ("mujoco", 0.0): 1.10, ("atari", 0.0): 1.03}
+    table.add(f"extend with filter / plain extend, {name}, {what}", ms(med["plain"]),
+              ms(med["filter"]), ratio(times, "filter", "plain"), targets[(kind, frac)], "<=")
+    table.add(f"floor: reshape-only transform / plain, {name}, {what}", ms(med["plain"]),
+              ms(med["reshape"]), ratio(times, "reshape", "plain"), 0, None)
+    if frac:
+        table.add(f"floor: minimal compaction transform / plain, {name}, {what}", ms(med["plain"]),
+                  ms(med["compact"]), ratio(times, "compact", "plain"), 0, None)
+        if frac == 0.02:
+            table.add(f"naive td[keep] transform / filter (speed-up), {name}, {what}",
+                      ms(med["naive"]), ms(med["filter"]), ratio(times, "naive", "filter"),
+                      {"mujoco": 1.4, "atari": 1.5}[kind], ">=")
+
+
+def recipe_case(table: Table, rounds: int) -> None:
+    """Cleaning [8, 128] MuJoCo-like steps: Gymnasium's per-env loop recipe vs the filter."""
+    batch = make_batch("mujoco", 0.02)
+    arrays = [batch[k].transpose(0, 1).numpy() for k in
+              ("observation", "action", ("next", "reward"), ("next", "terminated"),
+               ("next", "truncated"), ("next", "observation"))]
+    arrays[2], arrays[3], arrays[4] = (a.squeeze(-1) for a in arrays[2:5])
+    filt = AutoresetFilter()
+    times = alternate({"recipe": lambda: gymnasium_recipe(*arrays), "filter": lambda: filt.inv(batch)}, rounds)
+    table.add("cleaning one [8, 128] batch: Gymnasium per-env loop recipe / filter (speed-up)",
+              ms(statistics.median(times["recipe"])), ms(statistics.median(times["filter"])),
+              ratio(times, "recipe", "filter"), 50, ">=", note="no storage write on either side")
+
+
+def step_case(table: Table, rounds: int) -> None:
+    """layout='step': one [16] step per extend, vs a plain extend of the same rows."""
+    batch = make_batch("mujoco", 0.02, n_envs=16, steps=256)
+    steps = [batch[:, t].clone() for t in range(256)]
+    plain = ReplayBuffer(storage=LazyTensorStorage(4096))
+    filt_rb = ReplayBuffer(storage=LazyTensorStorage(4096), transform=AutoresetFilter(layout="step"))
+    it = {"plain": 0, "filter": 0}
+
+    def run(name, rb):
+        def call():
+            rb.extend(steps[it[name] % 256])
+            it[name] += 1
+        return call
+
+    times = alternate({"plain": run("plain", plain), "filter": run("filter", filt_rb)}, rounds)
+    table.add("per-step path, layout='step', 16 envs per extend / plain extend",
+              ms(statistics.median(times["plain"])), ms(statistics.median(times["filter"])),
+              ratio(times, "filter", "plain"), 1.25, "<=")
+
+
+def kernel_scaling(table: Table, quick: bool) -> list:
+    """Rows/s of the planning kernel on flags only (done, reward), 8 streams."""
+    series = []
+    sizes = [10**3, 10**4, 10**5, 10**6, 10**7]
+    for n in sizes:
+        done = np.zeros(n, bool)
+        done[::50] = True
+        reward = np.ones(n, np.float32)
+        reward[1::50] = 0
+        none = np.zeros(0, bool)
+        carry = (np.zeros(8, bool), np.zeros(8, bool), np.zeros(8, bool), np.zeros(8, np.int64))
+        args = (n, n // 8, np.zeros(0, np.int64), done, none, none, False, reward, *carry,
+                True, False, False, True)
+        _kernels.plan(*args)
+        reps = max(5, (10**6 if quick else 10**7) // n)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            _kernels.plan(*args)
+            ts.append(time.perf_counter() - t)
+        series.append({"rows": n, "rows_per_s": n / statistics.median(ts),
+                       "ns_per_row": statistics.median(ts) / n * 1e9})
+    at6 = next(s for s in series if s["rows"] == 10**6)
+    spread = max(s["ns_per_row"] for s in series[1:]) / min(s["ns_per_row"] for s in series[1:])
+    table.add("planning kernel throughput at 10^6 rows (flags only)", "-",
+              f"{at6['ns_per_row']:.2f} ns/row", at6["rows_per_s"] / 1e6, 200, ">=", unit="M rows/s",
+              note=f"per-row cost varies {spread:.1f}x from 10^4 to 10^7 rows")
+    return series
+
+
+def child(what: str, variant: str, env=None) -> dict:
+    out = subprocess.run([sys.executable, "-m", "bench.child", what, variant], capture_output=True,
+                         text=True, check=True, env=env, cwd=HERE.parent)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def startup_case(table: Table) -> None:
+    child("startup", "filter")  # make sure the numba cache is warm
+    plain = min(child("startup", "plain")["total_s"] for _ in range(3))
+    warm = [child("startup", "filter") for _ in range(3)]
+    ours = min(w["total_s"] for w in warm)
+    env = dict(os.environ, NUMBA_CACHE_DIR=tempfile.mkdtemp(prefix="cleanbuf-cold-"))
+    cold = child("startup", "filter", env)["total_s"]
+    table.add("fresh process: import + first extend, numba cache warm (seconds)", f"{plain:.2f} s",
+              f"{ours:.2f} s", ours, 1.0, "<=", unit="s",
+              note=f"baseline = the same process with a plain buffer; cold cache: {cold:.2f} s")
+
+
+def memory_case(table: Table) -> None:
+    plain = child("memory", "plain")
+    ours = child("memory", "filter")
+    extra = (ours["peak_bytes"] - plain["peak_bytes"]) / ours["batch_bytes"]
+    table.add("peak memory streaming 1 GB of Atari-like batches: (ours - plain) / one batch",
+              f"{plain['peak_bytes'] / 2**20:.0f} MiB", f"{ours['peak_bytes'] / 2**20:.0f} MiB",
+              extra, 1.0, "<=", note=f"one batch = {ours['batch_bytes'] / 2**20:.0f} MiB")
+
+
+def machine() -> dict:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchrl": torchrl.__version__,
+        "tensordict": tensordict.__version__,
+        "numba": numba.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def plot(table: Table, series: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in table.rows if r["op"] == "<=" and r["op"] and "extend" in r["case"] and "floor" not in r["case"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    labels = [r["case"].replace("extend with filter / plain extend, ", "").replace("per-step path, ", "") for r in rows]
+    y = np.arange(len(rows))
+    colors = ["tab:green" if r["pass"] == "pass" else "tab:red" for r in rows]
+    a.barh(y, [r["ratio"] for r in rows], color=colors)
+    a.scatter([r["target_value"] for r in rows], y, marker="|", s=400, color="black", label="target")
+    a.axvline(1.0, color="grey", lw=0.8)
+    a.set_yticks(y, labels, fontsize=8)
+    a.invert_yaxis()
+    a.set_xlabel("time with filter / plain extend")
+    a.set_title("write path cost (lower is better)")
+    a.legend(loc="lower right")
+    b.loglog([s["rows"] for s in series], [s["rows_per_s"] for s in series], "o-")
+    b.axhline(200e6, color="black", ls="--", lw=0.8, label="target at 10^6: 200 M rows/s")
+    b.set_xlabel("rows per call")
+    b.set_ylabel("rows / s")
+    b.set_title("planning kernel (flags only)")
+    b.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few rounds, no subprocess cases")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    q = args.quick
+    table = Table()
+    for kind, rounds in (("mujoco", 40 if q else 400), ("atari", 3 if q else 15)):
+        for frac in (0.02, 0.10, 0.0):
+            extend_cases(table, kind, frac, rounds)
+    step_case(table, 50 if q else 1000)
+    recipe_case(table, 10 if q else 100)
+    series = kernel_scaling(table, q)
+    if not q:
+        startup_case(table)
+        memory_case(table)
+    info = machine()
+    header = (f"Machine: {info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch thread; "
+              f"Python {info['python']}, torch {info['torch']}, torchrl {info['torchrl']}, "
+              f"tensordict {info['tensordict']}, numba {info['numba']}, numpy {info['numpy']}.")
+    md = header + "\n\n" + table.markdown() + "\n"
+    print(md)
+    if not q:
+        (HERE / "results.md").write_text(md)
+        (HERE / "results.json").write_text(json.dumps(
+            {"machine": info, "rows": table.rows, "kernel_scaling": series}, indent=1))
+        plot(table, series, HERE / "results.png")
+
+
+if __name__ == "__main__":
+    main()
