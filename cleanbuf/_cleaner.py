@@ -25,6 +25,7 @@ from cleanbuf._keys import done_flags, final_entries, flat_leaves, observation_k
 from cleanbuf._layout import CallLayout, resolve
 from cleanbuf._options import Options
 from cleanbuf._patch import as_td, fill_rows, fix_bookkeeping, move, write_next_obs
+from cleanbuf._pool import BufferPool
 
 STAT_NAMES = (
     "rows_in",
@@ -75,6 +76,7 @@ class Cleaner:
         self.options = options
         self._carry = Carry()
         self._stats = dict.fromkeys(STAT_NAMES, 0)
+        self._pool = BufferPool()
 
     # ------------------------------------------------------------------ API
     @property
@@ -124,7 +126,16 @@ class Cleaner:
         released = released_src >= 0
         rel_streams = np.flatnonzero(released & (slot_of >= 0))
         n_rel = len(rel_streams)
-        out, new_held = move(moved, carry.held, slot_of[rel_streams], emit, hold)
+        patched = set()
+        if stitch and not obs_only and (len(stitched) or n_rel or len(final) or
+                                        (len(sel[4]) and policy == "nan")):
+            patched.update(("next", *k) for k in obs_keys)
+        if len(emit_init):
+            patched.add(opts.is_init_key)
+        if emit_shift.any():
+            patched.update((opts.step_count_key, ("next", *opts.step_count_key)))
+        out, new_held = move(moved, carry.held, slot_of[rel_streams], emit, hold, n, patched,
+                             self._pool)
         if stitch:
             write_next_obs(out, n_rel, leaves, obs_keys, sel, released_src[rel_streams],
                            final_of, policy, obs_only)

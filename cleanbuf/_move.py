@@ -40,14 +40,21 @@ class RowIndex:
         return self._tensors[device]
 
 
-def gather(x: torch.Tensor, rows: RowIndex, head: torch.Tensor | None = None) -> torch.Tensor:
-    """Returns ``cat([head, x[rows]])`` as a new contiguous tensor, in one pass.
+def gather(
+    x: torch.Tensor,
+    rows: RowIndex,
+    head: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Returns ``cat([head, x[rows]])`` as a contiguous tensor, in one pass.
 
     Args:
         x: source rows (first dimension is the row).
         rows: the rows of ``x`` to take.
         head: rows to put first (the held rows released by this call), or
             None.
+        out: where to write (``len(head) + len(rows)`` rows, contiguous), or
+            None for a new tensor.
 
     Examples:
         >>> x = torch.arange(6.0).reshape(3, 2)
@@ -57,9 +64,12 @@ def gather(x: torch.Tensor, rows: RowIndex, head: torch.Tensor | None = None) ->
         [[0.0, 0.0], [2.0, 3.0]]
     """
     index = rows.on(x.device)
-    if head is None or len(head) == 0:
-        return x.index_select(0, index)
-    out = torch.empty((len(head) + len(rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    out[: len(head)] = head.to(x.device)
-    torch.index_select(x, 0, index, out=out[len(head) :])
+    n_head = 0 if head is None else len(head)
+    if out is None:
+        if n_head == 0:
+            return x.index_select(0, index)
+        out = torch.empty((n_head + len(rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if n_head:
+        out[:n_head] = head.to(x.device)
+    torch.index_select(x, 0, index, out=out[n_head:])
     return out

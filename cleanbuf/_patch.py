@@ -13,10 +13,16 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf._move import RowIndex, gather
+from cleanbuf._pool import BufferPool
 
 
-def move(leaves: dict, held: dict, rel_slots: np.ndarray, emit: np.ndarray, hold: np.ndarray):
+def move(leaves: dict, held: dict, rel_slots: np.ndarray, emit: np.ndarray, hold: np.ndarray,
+         n_rows: int, patched: set, pool: BufferPool):
     """Gathers the rows to emit (after the released held rows) and the rows to hold.
+
+    When a call emits every row in order and releases none, nothing moves:
+    the output leaves are views of the batch, except the ``patched`` ones,
+    which are copied so that the caller's batch is never written.
 
     Args:
         leaves: the call's flat leaves.
@@ -24,16 +30,27 @@ def move(leaves: dict, held: dict, rel_slots: np.ndarray, emit: np.ndarray, hold
         rel_slots: the held rows released by this call (slots into ``held``).
         emit: the call's rows to emit, in order.
         hold: the call's rows to hold.
+        n_rows: rows in the call.
+        patched: keys whose output rows will be written afterwards.
+        pool: reusable output buffers.
 
     Returns:
         ``(out, new_held)``: dicts from key to tensor.
     """
-    emit_rows, hold_rows, slots = RowIndex(emit), RowIndex(hold), RowIndex(rel_slots)
     out, new_held = {}, {}
-    for k, x in leaves.items():
-        head = held[k].index_select(0, slots.on(held[k].device)) if len(slots) else None
-        out[k] = gather(x, emit_rows, head)
-        if len(hold_rows):
+    hold_rows = RowIndex(hold)
+    if len(rel_slots) == 0 and len(emit) == n_rows:
+        for k, x in leaves.items():
+            out[k] = x.clone() if k in patched else x
+    else:
+        emit_rows, slots = RowIndex(emit), RowIndex(rel_slots)
+        size = len(rel_slots) + len(emit)
+        for k, x in leaves.items():
+            head = held[k].index_select(0, slots.on(held[k].device)) if len(slots) else None
+            buf = pool.take(k, (size, *x.shape[1:]), x.dtype, x.device)
+            out[k] = gather(x, emit_rows, head, buf)
+    if len(hold_rows):
+        for k, x in leaves.items():
             new_held[k] = gather(x, hold_rows)
     return out, new_held
 

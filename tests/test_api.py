@@ -58,30 +58,43 @@ def test_flush_writes_held_rows_once():
     assert filt.stats["terminal_obs_missing"] == held
 
 
-def test_list_storage_rows_do_not_alias_the_batch():
-    """ListStorage keeps references. Bug caught: the filter returning views
-    of the caller's batch, so that the caller reusing its buffer rewrites
-    what was stored."""
+def test_reused_buffers_never_overwrite_rows_someone_holds():
+    """Output buffers of large leaves are reused across calls. ListStorage
+    keeps references to what it is given. Bug caught: a later call writing
+    its rows into the memory of rows stored earlier (the pool must see that
+    they are still referenced)."""
     filt = AutoresetFilter("next_step")
-    rb = ReplayBuffer(storage=ListStorage(100), transform=filt)
-    batch = next_step_batch(2, 12, 1)
-    original = batch.clone()
-    rb.extend(batch)
-    stored = torch.stack([rb[i] for i in range(len(rb))])
-    before = stored.clone()
-    batch.apply_(lambda x: x.zero_() if x.dtype != torch.bool else x)
-    stored = torch.stack([rb[i] for i in range(len(rb))])
-    assert (stored == before).all()
-    assert (original != batch).any()
+    rb = ReplayBuffer(storage=ListStorage(10_000), transform=filt)
+    both = next_step_batch(2, 80, 3)
+    pixels = torch.arange(2 * 80, dtype=torch.float32).reshape(2, 80, 1, 1).expand(2, 80, 128, 128)
+    both.set("pixels", pixels.clone())
+    both.set(("next", "pixels"), pixels + 0.5)
+    rb.extend(both[:, :40])
+    first = torch.stack([rb[i] for i in range(len(rb))]).clone()
+    assert first["pixels"].numel() * 4 >= 1 << 20  # large enough to be pooled
+    rb.extend(both[:, 40:])
+    again = torch.stack([rb[i] for i in range(len(first))])
+    assert (again == first).all()
 
 
 def test_filter_does_not_mutate_the_callers_batch():
     """Bug caught: is_init / step_count / next observation patched in place
-    in the batch the collector handed over."""
-    batch = next_step_batch(2, 24, 2)
-    copy = batch.clone()
-    AutoresetFilter("next_step").inv(batch)
-    assert (batch == copy).all()
+    in the batch the collector handed over, in the copying path and in the
+    zero-copy path (a call that drops nothing but still fixes the step
+    counts of an episode that began with a reset row in an earlier call)."""
+    both = next_step_batch(1, 40, 2)
+    done = both["next", "done"].reshape(-1).nonzero().flatten().tolist()
+    reset = done[0] + 1
+    assert done[1] > reset + 1
+    # The second call has no episode end: it moves nothing, patches step counts.
+    first, second = both[:, : reset + 1], both[:, reset + 1 : done[1]]
+    filt = AutoresetFilter("next_step")
+    for batch in (first, second):
+        copy = batch.clone()
+        out = filt.inv(batch)
+        assert (batch == copy).all()
+    assert (out["step_count"].reshape(-1) == torch.arange(len(out))).all()  # stored one too high
+    assert out["is_init"].reshape(-1)[0]
 
 
 def test_state_dict_via_replay_buffer_and_pickle():
