@@ -21,7 +21,13 @@ from cleanbuf._errors import (
     ResetRowError,
     TerminalObservationLostError,
 )
-from cleanbuf._keys import done_flags, final_entries, flat_leaves, observation_keys
+from cleanbuf._keys import (
+    check_same_layout,
+    done_flags,
+    final_entries,
+    flat_leaves,
+    observation_keys,
+)
 from cleanbuf._layout import CallLayout, resolve
 from cleanbuf._options import Options
 from cleanbuf._patch import as_td, fill_rows, fix_bookkeeping, move, write_next_obs
@@ -41,6 +47,7 @@ STAT_NAMES = (
 
 
 _NO_FLAGS = np.zeros(0, np.bool_)  # an absent optional per-row array, for the kernel
+_NO_ROWS = np.zeros(0, np.int64)
 
 
 def _fmt(key: tuple) -> str:
@@ -77,6 +84,8 @@ class Cleaner:
         self._carry = Carry()
         self._stats = dict.fromkeys(STAT_NAMES, 0)
         self._pool = BufferPool()
+        self._layouts: dict = {}  # (batch size, names) -> CallLayout, for the fixed layouts
+        self._obs_keys: dict = {}  # leaf keys -> discovered observation keys
 
     # ------------------------------------------------------------------ API
     @property
@@ -98,7 +107,7 @@ class Cleaner:
         done = done_flags(leaves, opts.done_key, n)
         if opts.mode == "disabled":
             return self._pass_through(leaves, layout, done)
-        obs_keys, obs_only = observation_keys(leaves, opts.observation_keys, self._bookkeeping())
+        obs_keys, obs_only = self._observation_keys(leaves)
         same_step = opts.mode == "same_step"
         stitch = not (obs_only and opts.compact)
         final_of, present, entry_keys = (
@@ -106,8 +115,8 @@ class Cleaner:
         )
         moved = leaves if opts.keep_final_obs else {k: v for k, v in leaves.items() if k not in entry_keys}
         self._check_held_schema(moved)
-        n_streams = int(np.prod(layout.stream_shape, dtype=np.int64))
-        carry = self._carry.grown(n_streams)
+        n_streams = layout.n_streams
+        carry = self._carry.grown(n_streams) if n_streams > len(self._carry.pending) else self._carry
         (code, next_src, released_src, pending, waiting, need_init, shift, counts,
          bad_row) = _kernels.plan(
             n, layout.steps, layout.stream, done, self._joint(done, layout, n_streams),
@@ -121,10 +130,14 @@ class Cleaner:
         policy = self._lost_policy(obs_keys, leaves, n_lost, obs_only)
         sel = _kernels.select_rows(code, next_src, policy == "drop")
         emit, hold, stitched, _, _, final, emit_init, hold_init, emit_shift, hold_shift = sel
-        slot_of = np.full(n_streams, -1, np.int64)
-        slot_of[carry.held_stream] = np.arange(len(carry.held_stream))
         released = released_src >= 0
-        rel_streams = np.flatnonzero(released & (slot_of >= 0))
+        if len(carry.held_stream):
+            slot_of = np.full(n_streams, -1, np.int64)
+            slot_of[carry.held_stream] = np.arange(len(carry.held_stream))
+            rel_streams = np.flatnonzero(released & (slot_of >= 0))
+            rel_slots = slot_of[rel_streams]
+        else:
+            rel_streams = rel_slots = _NO_ROWS
         n_rel = len(rel_streams)
         patched = set()
         if stitch and not obs_only and (len(stitched) or n_rel or len(final) or
@@ -134,18 +147,19 @@ class Cleaner:
             patched.add(opts.is_init_key)
         if emit_shift.any():
             patched.update((opts.step_count_key, ("next", *opts.step_count_key)))
-        out, new_held = move(moved, carry.held, slot_of[rel_streams], emit, hold, n, patched,
-                             self._pool)
+        out, new_held = move(moved, carry.held, rel_slots, emit, hold, n, patched, self._pool)
         if stitch:
             write_next_obs(out, n_rel, leaves, obs_keys, sel, released_src[rel_streams],
                            final_of, policy, obs_only)
         fix_bookkeeping(out, n_rel, emit_init, emit_shift, opts.is_init_key, opts.step_count_key)
         fix_bookkeeping(new_held, 0, hold_init, hold_shift, opts.is_init_key, opts.step_count_key)
-        # Commit: nothing below raises.
-        kept_old = ~released[carry.held_stream]
+        # Commit: nothing below raises. (The kernel returned fresh carry arrays,
+        # so until here the old state was untouched.)
         carry.pending, carry.waiting, carry.need_init, carry.shift = pending, waiting, need_init, shift
-        carry.held = _cat_held(carry.held, kept_old, new_held)
-        carry.held_stream = np.concatenate([carry.held_stream[kept_old], layout.stream_of(hold)])
+        if len(carry.held_stream) or len(hold):
+            kept_old = ~released[carry.held_stream]
+            carry.held = _cat_held(carry.held, kept_old, new_held)
+            carry.held_stream = np.concatenate([carry.held_stream[kept_old], layout.stream_of(hold)])
         self._carry = carry
         self._commit_layout(layout)
         n_out = n_rel + len(emit)
@@ -222,6 +236,20 @@ class Cleaner:
     def _bookkeeping(self) -> set:
         return {k for k in (self.options.is_init_key, self.options.step_count_key) if k}
 
+    def _observation_keys(self, leaves: dict) -> tuple[list, bool]:
+        """:func:`observation_keys`, whose key discovery is remembered per key set;
+        the shapes and dtypes are checked on every call."""
+        key = tuple(leaves)
+        found = self._obs_keys.get(key)
+        if found is None:
+            found = observation_keys(leaves, self.options.observation_keys, self._bookkeeping())
+            if len(self._obs_keys) < 64:
+                self._obs_keys[key] = found
+        elif not found[1]:
+            for k in found[0]:
+                check_same_layout(leaves, k, ("next", *k))
+        return found
+
     def _layout(self, td: TensorDictBase) -> CallLayout:
         opts = self.options
         stream_ids = None
@@ -233,7 +261,15 @@ class Cleaner:
                 )
             stream_ids = td.get(opts.stream_key)
         names = td.names if td.batch_dims else None
-        layout = resolve(td.batch_size, names, opts.layout, stream_ids, self._carry.stream_ids)
+        if stream_ids is None:
+            cache_key = (td.batch_size, None if names is None else tuple(names))
+            layout = self._layouts.get(cache_key)
+            if layout is None:
+                layout = resolve(td.batch_size, names, opts.layout, None, None)
+                if len(self._layouts) < 64:
+                    self._layouts[cache_key] = layout
+        else:
+            layout = resolve(td.batch_size, names, opts.layout, stream_ids, self._carry.stream_ids)
         c = self._carry
         if c.layout_kind is None or layout.kind == "stream_key":
             return layout

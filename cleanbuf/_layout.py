@@ -51,6 +51,11 @@ class CallLayout:
     steps: int
     new_stream_ids: np.ndarray | None = None
 
+    @property
+    def n_streams(self) -> int:
+        """The number of streams (the product of ``stream_shape``)."""
+        return int(np.prod(self.stream_shape, dtype=np.int64))
+
     def stream_of(self, rows: np.ndarray) -> np.ndarray:
         """The dense stream index of the given flat rows."""
         return rows // self.steps if self.steps else self.stream[rows]

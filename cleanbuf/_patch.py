@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf._move import RowIndex, gather
-from cleanbuf._pool import BufferPool
+from cleanbuf._pool import MIN_POOLED_BYTES, BufferPool
 
 
 def move(leaves: dict, held: dict, rel_slots: np.ndarray, emit: np.ndarray, hold: np.ndarray,
@@ -47,7 +47,9 @@ def move(leaves: dict, held: dict, rel_slots: np.ndarray, emit: np.ndarray, hold
         size = len(rel_slots) + len(emit)
         for k, x in leaves.items():
             head = held[k].index_select(0, slots.on(held[k].device)) if len(slots) else None
-            buf = pool.take(k, (size, *x.shape[1:]), x.dtype, x.device)
+            buf = None
+            if x.numel() * x.element_size() >= MIN_POOLED_BYTES:
+                buf = pool.take(k, (size, *x.shape[1:]), x.dtype, x.device)
             out[k] = gather(x, emit_rows, head, buf)
     if len(hold_rows):
         for k, x in leaves.items():
@@ -97,12 +99,14 @@ def fix_bookkeeping(rows, offset, init_pos, row_shift, is_init_key, step_count_k
     if len(init_pos) and is_init_key in rows:
         fill_rows(rows[is_init_key], offset + init_pos, True)
     if step_count_key in rows and row_shift.any():
-        shift = torch.from_numpy(row_shift)  # int8, 0 or 1 per row
+        x = rows[step_count_key]
+        # int8, 0 or 1 per row, converted once for both keys
+        shift = torch.from_numpy(row_shift).to(x.device, x.dtype).reshape(-1, *[1] * (x.dim() - 1))
         for key in (step_count_key, ("next", *step_count_key)):
-            if key in rows:
-                x = rows[key]
-                view = x[offset : offset + len(shift)]
-                view -= shift.to(x.device, x.dtype).reshape(-1, *[1] * (x.dim() - 1))
+            x = rows.get(key)
+            if x is not None:
+                view = x if offset == 0 and len(shift) == len(x) else x[offset : offset + len(shift)]
+                view -= shift.to(x.dtype)
 
 
 def set_rows(dst: torch.Tensor, pos: np.ndarray, src: torch.Tensor, rows: np.ndarray) -> None:

@@ -38,19 +38,22 @@ class BufferPool:
         >>> kept = pool.take("obs", (1000, 512), torch.float32, torch.device("cpu"))
         >>> pool.take("obs", (1000, 512), torch.float32, torch.device("cpu")).data_ptr() == kept.data_ptr()
         False
+        >>> pool.take("small", (10, 4), torch.float32, torch.device("cpu")) is None
+        True
     """
 
     def __init__(self):
         self._buffers: dict = {}
 
-    def take(self, key, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialized tensor of ``shape``, in reused memory when possible."""
+    def take(self, key, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """An uninitialized tensor of ``shape`` in reused memory; None for a small
+        one (cheap to allocate: let the caller allocate it)."""
         rows, feature = shape[0], tuple(shape[1:])
         row_bytes = dtype.itemsize
         for d in feature:
             row_bytes *= d
         if rows * row_bytes < MIN_POOLED_BYTES:
-            return torch.empty(shape, dtype=dtype, device=device)
+            return None
         entry = self._buffers.get(key)
         if entry is not None:
             buf, idle = entry
