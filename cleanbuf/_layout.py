@@ -50,11 +50,11 @@ class CallLayout:
     stream: np.ndarray
     steps: int
     new_stream_ids: np.ndarray | None = None
+    n_streams: int = dataclasses.field(init=False)
 
-    @property
-    def n_streams(self) -> int:
-        """The number of streams (the product of ``stream_shape``)."""
-        return int(np.prod(self.stream_shape, dtype=np.int64))
+    def __post_init__(self):
+        # The number of streams (the product of ``stream_shape``).
+        object.__setattr__(self, "n_streams", int(np.prod(self.stream_shape, dtype=np.int64)))
 
     def stream_of(self, rows: np.ndarray) -> np.ndarray:
         """The dense stream index of the given flat rows."""
