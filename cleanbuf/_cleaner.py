@@ -117,6 +117,14 @@ class Cleaner:
         self._check_held_schema(moved)
         n_streams = layout.n_streams
         carry = self._carry.grown(n_streams) if n_streams > len(self._carry.pending) else self._carry
+        if not (obs_only and stitch) and self._nothing_to_do(carry, done, leaves):
+            # No episode end, no row waiting, no fix pending: the rows are clean
+            # as they are (views of the batch; nothing is copied).
+            self._carry = carry
+            self._commit_layout(layout)
+            self._stats["rows_in"] += n
+            self._stats["rows_out"] += n
+            return as_td(moved, n, td.device)
         (code, next_src, released_src, pending, waiting, need_init, shift, counts,
          bad_row) = _kernels.plan(
             n, layout.steps, layout.stream, done, self._joint(done, layout, n_streams),
@@ -235,6 +243,11 @@ class Cleaner:
     # ------------------------------------------------------------ internals
     def _bookkeeping(self) -> set:
         return {k for k in (self.options.is_init_key, self.options.step_count_key) if k}
+
+    def _nothing_to_do(self, carry, done: np.ndarray, leaves: dict) -> bool:
+        if done.any() or carry.pending.any() or carry.waiting.any() or carry.need_init.any():
+            return False
+        return not (self.options.step_count_key in leaves and carry.shift.any())
 
     def _observation_keys(self, leaves: dict) -> tuple[list, bool]:
         """:func:`observation_keys`, whose key discovery is remembered per key set;
