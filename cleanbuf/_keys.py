@@ -48,7 +48,7 @@ def flat_leaves(td: TensorDictBase, n_rows: int) -> dict:
                 "moves tensor leaves only. Exclude it before the filter "
                 "(data.exclude(key)) or store it as a tensor."
             )
-        leaves[key] = value.reshape(n_rows, *value.shape[batch_ndim:])
+        leaves[key] = value if batch_ndim == 1 else value.reshape(n_rows, *value.shape[batch_ndim:])
     return leaves
 
 
