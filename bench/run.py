@@ -244,19 +244,28 @@ def plot(table: Table, series: list, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in table.rows if r["op"] == "<=" and r["op"] and "extend" in r["case"] and "floor" not in r["case"]]
+    rows = [r for r in table.rows if r["op"] == "<=" and r["ratio_str"].endswith("x")
+            and "extend" in r["case"] and "floor" not in r["case"]]
+    floors = {}
+    for r in table.rows:
+        if r["case"].startswith("floor: minimal compaction"):
+            floors[r["case"].split("/ plain, ")[1]] = r["ratio"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
-    labels = [r["case"].replace("extend with filter / plain extend, ", "").replace("per-step path, ", "") for r in rows]
+    labels = [r["case"].replace("extend with filter / plain extend, ", "").replace(" / plain extend", "")
+              for r in rows]
     y = np.arange(len(rows))
     colors = ["tab:green" if r["pass"] == "pass" else "tab:red" for r in rows]
     a.barh(y, [r["ratio"] for r in rows], color=colors)
     a.scatter([r["target_value"] for r in rows], y, marker="|", s=400, color="black", label="target")
+    fy = [i for i, lab in enumerate(labels) if lab in floors]
+    a.scatter([floors[labels[i]] for i in fy], fy, marker="x", s=60, color="tab:blue",
+              label="floor: minimal compaction transform")
     a.axvline(1.0, color="grey", lw=0.8)
     a.set_yticks(y, labels, fontsize=8)
     a.invert_yaxis()
-    a.set_xlabel("time with filter / plain extend")
+    a.set_xlabel("time with filter / plain extend (green: target met)")
     a.set_title("write path cost (lower is better)")
-    a.legend(loc="lower right")
+    a.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8)
     b.loglog([s["rows"] for s in series], [s["rows_per_s"] for s in series], "o-")
     b.axhline(200e6, color="black", ls="--", lw=0.8, label="target at 10^6: 200 M rows/s")
     b.set_xlabel("rows per call")

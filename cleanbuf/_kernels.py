@@ -93,7 +93,8 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, pending
     Returns:
         ``(code, next_src, released_src, pending, waiting, need_init, shift,
         counts, bad_row)``: the per-row code byte (module docstring); per-row
-        source row of the next observation (set for ``STITCHED`` rows only);
+        source row of the next observation (set for ``STITCHED`` rows only,
+        and empty when ``steps > 0``: the source is then the next row);
         per-stream source row for the stream's held row from an earlier call
         (-1 if not released); the new carry arrays (fresh copies; the inputs
         are untouched); int64[3] counts of reset rows, lost terminal
@@ -109,7 +110,10 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, pending
     has_final = final_ok.shape[0] > 0
     check = reward.shape[0] > 0
     code = np.empty(n, np.int8)
-    next_src = np.empty(n, np.int64)
+    # With time-last rows a row's source is always the next row (i + 1), which
+    # select_rows knows; only interleaved streams need the array (written
+    # sparsely, it would otherwise touch every page of 8 bytes per row).
+    next_src = np.empty(n if steps == 0 else 0, np.int64)
     released_src = np.full(n_streams, -1, np.int64)
     open_row = np.full(n_streams, -1, np.int64)
     counts = np.zeros(3, np.int64)
@@ -120,7 +124,8 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, pending
         o = open_row[s]
         if o >= 0:
             code[o] = (code[o] & ~CODE_MASK) | STITCHED
-            next_src[o] = i
+            if steps == 0:
+                next_src[o] = i
             open_row[s] = -1
         elif waiting[s]:
             released_src[s] = i
@@ -179,7 +184,8 @@ def select_rows(code, next_src, drop_lost):
 
     Args:
         code: int8[N] row code bytes from :func:`plan`.
-        next_src: int64[N] next-observation sources from :func:`plan`.
+        next_src: int64[N] next-observation sources from :func:`plan`, or
+            empty when each row's source is the next row.
         drop_lost: drop ``LOST`` rows instead of emitting them.
 
     Returns:
@@ -230,7 +236,7 @@ def select_rows(code, next_src, drop_lost):
         elif c != DROP and (c != LOST or not drop_lost):
             if c == STITCHED:
                 stitched[p] = a
-                stitched_src[p] = next_src[i]
+                stitched_src[p] = next_src[i] if next_src.shape[0] else i + 1
                 p += 1
             elif c == LOST:
                 lost[q] = a
