@@ -135,7 +135,7 @@ class Cleaner:
         if bad_row >= 0:
             self._raise_bad_reset_row(bad_row, done, layout)
         n_drop, n_lost, n_done = (int(c) for c in counts)
-        policy = self._lost_policy(obs_keys, leaves, n_lost, obs_only)
+        policy = self._lost_policy(obs_keys, leaves, n_lost, final_missing=same_step)
         sel = _kernels.select_rows(code, next_src, policy == "drop")
         emit, hold, stitched, _, _, final, emit_init, hold_init, emit_shift, hold_shift = sel
         released = released_src >= 0
@@ -208,7 +208,7 @@ class Cleaner:
         missing = np.ones(n_held, np.bool_) if obs_only else ~np.full(n_held, in_done_row)
         n_terminal = int((missing & done).sum())
         n_next = int((missing & ~done).sum())
-        policy = self._lost_policy(obs_keys, rows, n_terminal + n_next, obs_only)
+        policy = self._lost_policy(obs_keys, rows, n_terminal + n_next, final_missing=False)
         for k in obs_keys:
             nk = ("next", *k)
             if obs_only:
@@ -359,12 +359,16 @@ class Cleaner:
             "check_reset_rows=False. Nothing was written."
         )
 
-    def _lost_policy(self, obs_keys: list, leaves: dict, n_lost: int, obs_only: bool) -> str:
+    def _lost_policy(self, obs_keys: list, leaves: dict, n_lost: int, final_missing: bool) -> str:
+        """The lost-observation policy to apply to ``n_lost`` rows, or raise.
+
+        ``final_missing``: the rows are same-step done rows without a final
+        observation, where the default is to raise."""
         opts = self.options
         policy = opts.on_lost_terminal_obs
         if n_lost == 0:
             return policy or "nan"
-        if policy is None and opts.mode == "same_step":
+        if policy is None and final_missing:
             raise TerminalObservationLostError(
                 f"{n_lost} done row(s) have no final observation (no final-observation "
                 "entry such as ('next', 'final_obs'), ('next', 'final_observation') or "

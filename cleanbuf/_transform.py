@@ -29,7 +29,9 @@ class AutoresetFilter(Transform):
     ``step_count`` / ``("next", "step_count")``, and passes every other key
     through. A done row whose reset row is not in the same call is held and
     emitted by the call that brings it (or by :meth:`flush`). The output is
-    flat rows ``[M]``: a 1-D storage stores rows. A call that leaves no row
+    flat rows ``[M]``: a 1-D storage stores rows. A call that drops, holds
+    and fixes nothing returns views of the batch (what a plain extend would
+    store); otherwise the rows are copies. A call that leaves no row
     returns None, which the buffer stores as nothing. Inside a ``Compose``
     the write path runs the transforms from last to first; a transform that
     runs after this filter there receives that None and must accept it.

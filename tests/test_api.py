@@ -303,3 +303,21 @@ def test_clean_same_step_and_observation_only():
     waiting = int((~batch["next", "done"][:, -1]).sum())
     assert waiting > 0
     assert int(torch.isnan(obs_only["next", "observation"]).sum()) == waiting
+
+
+def test_flush_same_step_observation_only_marks_unfinished_rows():
+    """Same-step observation-only data: the last row of each stream waits for
+    its successor; at a flush it never comes. Bug caught: the flush raising
+    the same-step "no final observation" error for rows that are not done
+    (or storing them with a next observation from nowhere)."""
+    from tests.batches import same_step_batch
+
+    batch = same_step_batch(2, 12, 0).exclude(("next", "observation"))
+    filt = AutoresetFilter("same_step", observation_keys=["observation"])
+    filt.inv(batch)
+    waiting = filt.stats["rows_held"]
+    assert waiting > 0
+    rows = filt.flush()
+    assert len(rows) == waiting and not rows["next", "done"].any()
+    assert torch.isnan(rows["next", "observation"]).all()
+    assert filt.stats["next_obs_missing"] == waiting and filt.stats["terminal_obs_missing"] == 0
