@@ -150,7 +150,7 @@ def resolve(
             f"{list(batch_size)}. Flatten with data.reshape(-1) only if the stream key "
             "identifies each row's env."
         )
-    ids = stream_ids.reshape(batch_size[0], -1)
+    ids = stream_ids.reshape(batch_size[0], -1) if batch_size[0] else stream_ids.reshape(0, 1)
     if ids.shape[1] != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
         raise LayoutError(
             f"the stream key must hold one integer id per row, shape [{batch_size[0]}] or "
