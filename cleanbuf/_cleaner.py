@@ -113,7 +113,9 @@ class Cleaner:
         final_of, present, entry_keys = (
             final_entries(leaves, opts.final_obs_key, obs_keys, n) if same_step else ({}, None, set())
         )
-        moved = leaves if opts.keep_final_obs else {k: v for k, v in leaves.items() if k not in entry_keys}
+        moved = leaves
+        if entry_keys and not opts.keep_final_obs:
+            moved = {k: v for k, v in leaves.items() if k not in entry_keys}
         self._check_held_schema(moved)
         n_streams = layout.n_streams
         carry = self._carry.grown(n_streams) if n_streams > len(self._carry.pending) else self._carry
@@ -134,7 +136,7 @@ class Cleaner:
         )
         if bad_row >= 0:
             self._raise_bad_reset_row(bad_row, done, layout)
-        n_drop, n_lost, n_done = (int(c) for c in counts)
+        n_drop, n_lost, n_done = counts.tolist()
         policy = self._lost_policy(obs_keys, leaves, n_lost, final_missing=same_step)
         sel = _kernels.select_rows(code, next_src, policy == "drop")
         emit, hold, stitched, _, _, final, emit_init, hold_init, emit_shift, hold_shift = sel
