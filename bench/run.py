@@ -179,7 +179,7 @@ def kernel_scaling(table: Table, quick: bool) -> list:
         none = np.zeros(0, bool)
         carry = (np.zeros(8, bool), np.zeros(8, bool), np.zeros(8, bool), np.zeros(8, np.int64))
         args = (n, n // 8, np.zeros(0, np.int64), done, none, none, False, reward, *carry,
-                True, False, False, True)
+                True, False, False, True, True)
         _kernels.plan(*args)
         reps = max(5, (10**6 if quick else 10**7) // n)
         ts = []

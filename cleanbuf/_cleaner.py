@@ -133,6 +133,7 @@ class Cleaner:
             _NO_FLAGS if present is None else present, bool(final_of),
             self._reward_rows(leaves, n), carry.pending, carry.waiting, carry.need_init,
             carry.shift, not same_step, obs_only and stitch, same_step and stitch, stitch,
+            stitch and (obs_only or not self._in_done_row(layout.kind)),
         )
         if bad_row >= 0:
             self._raise_bad_reset_row(bad_row, done, layout)
@@ -204,9 +205,7 @@ class Cleaner:
         rows = {k: v.clone() for k, v in carry.held.items()}
         obs_keys, obs_only = observation_keys(rows, opts.observation_keys, self._bookkeeping())
         done = done_flags(rows, opts.done_key, n_held)
-        in_done_row = opts.terminal_obs_in_done_row
-        if in_done_row is None:
-            in_done_row = carry.layout_kind != "time_last"
+        in_done_row = self._in_done_row(carry.layout_kind)
         missing = np.ones(n_held, np.bool_) if obs_only else ~np.full(n_held, in_done_row)
         n_terminal = int((missing & done).sum())
         n_next = int((missing & ~done).sum())
@@ -245,6 +244,14 @@ class Cleaner:
     # ------------------------------------------------------------ internals
     def _bookkeeping(self) -> set:
         return {k for k in (self.options.is_init_key, self.options.step_count_key) if k}
+
+    def _in_done_row(self, layout_kind: str | None) -> bool:
+        """Whether a done row already holds its terminal observation: as
+        configured, else True except for time-last (TorchRL collector) batches,
+        whose done rows TorchRL zero-fills."""
+        if self.options.terminal_obs_in_done_row is not None:
+            return self.options.terminal_obs_in_done_row
+        return layout_kind != "time_last"
 
     def _nothing_to_do(self, carry, done: np.ndarray, leaves: dict) -> bool:
         if done.any() or carry.pending.any() or carry.waiting.any() or carry.need_init.any():

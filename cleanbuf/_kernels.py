@@ -22,15 +22,17 @@ bits; two more bits carry the bookkeeping fixes):
 
 The flags of :func:`plan` select the mode:
 
-=======================  ==========  =========  =====  ======
-data                     reset_rows  successor  final  stitch
-=======================  ==========  =========  =====  ======
-next-step                1           0          0      1
-next-step, obs-only      1           1          0      1
-next-step, compact       1           0          0      0
-same-step                0           0          1      1
-same-step, obs-only      0           1          1      1
-=======================  ==========  =========  =====  ======
+=======================  ==========  =========  =====  ======  =========
+data                     reset_rows  successor  final  stitch  hold_done
+=======================  ==========  =========  =====  ======  =========
+next-step                1           0          0      1       1 [*]_
+next-step, obs-only      1           1          0      1       1
+next-step, compact       1           0          0      0       0
+same-step                0           0          1      1       0
+same-step, obs-only      0           1          1      1       0
+=======================  ==========  =========  =====  ======  =========
+
+.. [*] 0 when the done row already holds its terminal observation.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ SHIFT_BIT = 16  # subtract 1 from this row's step counts
 
 @njit(cache=True, nogil=True)
 def plan(n, steps, stream, done, joint, final_ok, final_default, reward, pending, waiting,
-         need_init, shift, reset_rows, successor, final, stitch):
+         need_init, shift, reset_rows, successor, final, stitch, hold_done):
     """Plans one call from flags and the carry state, in one pass over the rows.
 
     It reads one flag byte per row (plus the reward where the reset-row check
@@ -89,6 +91,11 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, pending
             entry.
         stitch: next observations are written (False: compact output, where
             no row waits).
+        hold_done: next-step mode: a done row waits for its reset row (whose
+            observation is its terminal one). False when the producer already
+            stored the terminal observation in the done row (raw Gymnasium
+            and EnvPool loops): the done row is then emitted at once, and only
+            its reset row is dropped when it comes.
 
     Returns:
         ``(code, next_src, released_src, pending, waiting, need_init, shift,
@@ -166,7 +173,7 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, pending
         elif not successor:
             code[i] = c
             continue
-        if stitch and (successor or done[i]):
+        if stitch and (successor or (done[i] and hold_done)):
             code[i] = c | HOLD
             open_row[s] = i
         else:

@@ -28,7 +28,10 @@ class AutoresetFilter(Transform):
     new episode's first row, subtracts the step the reset row consumed from
     ``step_count`` / ``("next", "step_count")``, and passes every other key
     through. A done row whose reset row is not in the same call is held and
-    emitted by the call that brings it (or by :meth:`flush`). The output is
+    emitted by the call that brings it (or by :meth:`flush`); where the done
+    row already holds its terminal observation (raw Gymnasium and EnvPool
+    loops, ``terminal_obs_in_done_row``), it is emitted at once and only its
+    reset row is dropped when it comes. The output is
     flat rows ``[M]``: a 1-D storage stores rows. A call that drops, holds
     and fixes nothing returns views of the batch (what a plain extend would
     store); otherwise the rows are copies. A call that leaves no row
@@ -92,9 +95,9 @@ class AutoresetFilter(Transform):
             and an error for integer ones; in same-step mode an error.
         terminal_obs_in_done_row: whether the producer stores the terminal
             observation in the done row itself (raw Gymnasium and EnvPool
-            loops do; TorchRL zero-fills it). Decides whether :meth:`flush`
-            counts the held rows' terminal observations as lost. None: True
-            except for the time-last (collector) layout.
+            loops do; TorchRL zero-fills it). If so, done rows are emitted at
+            once instead of waiting for their reset row. None: True except
+            for the time-last (collector) layout.
         check_reset_rows: check that each reset row has reward 0 and is not
             done.
         observation_keys: list of observation keys; None discovers every key
