@@ -48,7 +48,7 @@ def assert_rows_equal(got, want, where):
             assert same, f"{where}, row {i}, field {f}: got {a}, expected {b}"
 
 
-def run_filter(filt, calls, restore_at=None):
+def run_filter(filt, calls, restore_at=None, after_call=None):
     outs = []
     for i, td in enumerate(calls):
         if i == restore_at:
@@ -56,6 +56,8 @@ def run_filter(filt, calls, restore_at=None):
             filt = pickle.loads(pickle.dumps(filt)) if i % 2 else _fresh_like(filt)
             filt.load_state_dict(state)
         outs.append(filt.inv(td))
+        if after_call is not None:
+            after_call(filt)
     outs.append(filt.flush())
     return filt, outs
 
@@ -73,10 +75,10 @@ def check_against_reference(raw, truth, got, **reference):
         assert_rows_equal(stream_rows, want, f"filter vs reference, stream {e}")
 
 
-def run_and_check(filt, calls, raw, truth, *, restore_at=None, **reference):
+def run_and_check(filt, calls, raw, truth, *, restore_at=None, after_call=None, **reference):
     """Runs the calls (and a flush), then checks the output per stream against
     the reference and the truth, and that no row was lost."""
-    filt, outs = run_filter(filt, calls, restore_at)
+    filt, outs = run_filter(filt, calls, restore_at, after_call)
     check_against_reference(raw, truth, rows_by_stream(outs), **reference)
     lossless(filt, raw)
 
@@ -114,28 +116,39 @@ def lossless(filt, raw):
     per_worker=st.integers(1, 3),
     steps=st.integers(1, 40),
     joint=st.booleans(),
+    in_done_row=st.booleans(),
     max_len=st.integers(1, 6),
     data=st.data(),
 )
-def test_time_last_random_boundaries(seed, workers, per_worker, steps, joint, max_len, data):
-    """[W, n, T] collector-like batches cut at random time boundaries.
+def test_time_last_random_boundaries(seed, workers, per_worker, steps, joint, in_done_row,
+                                     max_len, data):
+    """[W, n, T] collector-like batches cut at random time boundaries; done rows
+    zero-filled (TorchRL: they wait for their reset row) or holding their
+    terminal observation (emitted at once).
 
     Bugs caught: a held done row lost or duplicated across calls, a reset row
     at the start of a call not recognised, the next observation taken from
     the wrong row or stream, step_count / is_init not carried across calls,
     a joint reset decided over the wrong group, state lost in a
-    state_dict / pickle round trip."""
+    state_dict / pickle round trip, a done row emitted at once although its
+    terminal observation is not in it (or held although it is)."""
     rng = np.random.default_rng(seed)
     n = workers * per_worker
-    raw, truth = simulate(rng, n, steps, group=per_worker if joint else None, max_len=max_len)
+    raw, truth = simulate(rng, n, steps, group=per_worker if joint else None, max_len=max_len,
+                          zero_fill=not in_done_row)
     td = grid_td(raw, (workers, per_worker))
     cuts = sorted(data.draw(st.sets(st.integers(1, max(steps - 1, 1)), max_size=steps)) - {steps})
     bounds = [0, *cuts, steps]
     calls = [td[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     restore_at = data.draw(st.integers(0, len(calls)))
     filt = AutoresetFilter("next_step", joint_reset=joint,
-                           reset_group_size=per_worker if joint else None)
-    run_and_check(filt, calls, raw, truth, flush_lost=True, restore_at=restore_at)
+                           reset_group_size=per_worker if joint else None,
+                           terminal_obs_in_done_row=in_done_row)
+    def nothing_held(f):
+        assert f.stats["rows_held"] == 0, "a done row that holds its terminal observation waits"
+
+    run_and_check(filt, calls, raw, truth, flush_lost=not in_done_row, restore_at=restore_at,
+                  after_call=nothing_held if in_done_row else None)
 
 
 MODES = [
