@@ -121,7 +121,11 @@ class Cleaner:
         carry = self._carry.grown(n_streams) if n_streams > len(self._carry.pending) else self._carry
         if not (obs_only and stitch) and self._nothing_to_do(carry, done, leaves):
             # No episode end, no row waiting, no fix pending: the rows are clean
-            # as they are (views of the batch; nothing is copied).
+            # as they are (views of the batch; nothing is copied). A pending
+            # is_init fix can only be left here if the rows have no is_init:
+            # it is moot, forget it.
+            if carry.need_init.any():
+                carry.need_init = np.zeros_like(carry.need_init)
             self._carry = carry
             self._commit_layout(layout)
             self._stats["rows_in"] += n
@@ -254,7 +258,11 @@ class Cleaner:
         return layout_kind != "time_last"
 
     def _nothing_to_do(self, carry, done: np.ndarray, leaves: dict) -> bool:
-        if done.any() or carry.pending.any() or carry.waiting.any() or carry.need_init.any():
+        """True when the call has no episode end, no reset row to drop, no row
+        waiting, and no bookkeeping fix that applies to the keys it has."""
+        if done.any() or carry.pending.any() or carry.waiting.any():
+            return False
+        if carry.need_init.any() and self.options.is_init_key in leaves:
             return False
         return not (self.options.step_count_key in leaves and carry.shift.any())
 
