@@ -200,7 +200,7 @@ def test_modes_random_boundaries(seed, n, steps, variant, joint, data):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6), steps=st.integers(1, 30),
-       joint=st.booleans(), bookkeeping=st.booleans())
+       joint=st.booleans(), bookkeeping=st.sampled_from(["both", "none", "is_init", "step_count"]))
 def test_step_layout_one_step_per_call(seed, n, steps, joint, bookkeeping):
     """Raw vector-env loops: one [E] step per call (raw loops keep the terminal
     observation in the done row), with or without InitTracker / StepCounter
@@ -212,9 +212,12 @@ def test_step_layout_one_step_per_call(seed, n, steps, joint, bookkeeping):
     raw, truth = simulate(rng, n, steps, group=n if joint else None, zero_fill=False)
     td = grid_td(raw, (n,))
     dropped = ()
-    if not bookkeeping:
-        td = td.exclude("is_init", "step_count", ("next", "step_count"))
-        dropped = ("is_init", "step_count", "next_step_count")
+    if bookkeeping in ("none", "step_count"):
+        td = td.exclude("is_init")
+        dropped += ("is_init",)
+    if bookkeeping in ("none", "is_init"):
+        td = td.exclude("step_count", ("next", "step_count"))
+        dropped += ("step_count", "next_step_count")
     calls = [td[:, t] for t in range(steps)]
     filt = AutoresetFilter("next_step", layout="step", joint_reset=joint)
     run_and_check(filt, calls, raw, truth, flush_lost=False, drop_fields=dropped)
