@@ -321,3 +321,24 @@ def test_flush_same_step_observation_only_marks_unfinished_rows():
     assert len(rows) == waiting and not rows["next", "done"].any()
     assert torch.isnan(rows["next", "observation"]).all()
     assert filt.stats["next_obs_missing"] == waiting and filt.stats["terminal_obs_missing"] == 0
+
+
+def _three_cartpoles():
+    return GymEnv("CartPole-v1", num_envs=3)
+
+
+def test_for_env_parallel_env_of_vectorized_workers():
+    """ParallelEnv of GymEnv(num_envs=3) workers: batch [2, 3], each worker
+    resets its 3 envs jointly. Bug caught: the reset group taken as all 6
+    envs (then a joint reset of one worker is read as partial, and its next
+    real transition dropped) or as single envs."""
+    from torchrl.envs import ParallelEnv
+
+    env = ParallelEnv(2, _three_cartpoles)
+    try:
+        filt = AutoresetFilter.for_env(env)
+    finally:
+        env.close(raise_if_closed=False)
+    assert (filt.options.mode, filt.options.joint_reset, filt.options.reset_group_size) == (
+        "next_step", True, 3)
+    assert "ParallelEnv" in repr(filt)
