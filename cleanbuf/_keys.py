@@ -186,12 +186,23 @@ def check_same_layout(leaves: dict, key: tuple, other: tuple) -> None:
 FINAL_KEYS = (("next", "final_obs"), ("next", "final_observation"), ("next", "terminal_observation"))
 
 
+def _common_parent(keys: list) -> tuple:
+    """The longest key prefix that every key extends (``()`` if none)."""
+    first = keys[0][:-1]
+    n = 0
+    while n < len(first) and all(len(k) > n + 1 and k[n] == first[n] for k in keys):
+        n += 1
+    return first[:n]
+
+
 def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, n_rows: int):
     """Finds the same-step final-observation entry for each observation key.
 
     The entry is ``declared`` or the first of :data:`FINAL_KEYS` present. It
     is one tensor (for a single observation key) or a sub-TensorDict with
-    the observation keys inside. A boolean entry of the same name with a
+    the observation keys inside, in full (``("next", "final_obs", "pixels")``
+    for ``"pixels"``) or relative to their common parent
+    (``("next", "final_obs", "pos")`` for ``("observation", "pos")``). A boolean entry of the same name with a
     leading underscore (``("next", "_final_obs")``, as Gymnasium's info
     masks) says per row whether the final observation is there.
 
@@ -236,7 +247,15 @@ def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, n_rows: 
             )
         final_of = {obs_keys[0]: prefix}
     else:
+        # The entry mirrors the observation keys in full, or relative to their
+        # common parent (a Dict observation stored as "observation": {...} has
+        # its final observation as "final_obs": {...}, like Gymnasium's info).
         final_of = {k: (*prefix, *k) for k in obs_keys}
+        parent = _common_parent(obs_keys)
+        if parent and any(f not in leaves for f in final_of.values()):
+            relative = {k: (*prefix, *k[len(parent):]) for k in obs_keys}
+            if all(f in leaves for f in relative.values()):
+                final_of = relative
         missing = ", ".join(_fmt(f) for f in final_of.values() if f not in leaves)
         if missing:
             raise InputError(

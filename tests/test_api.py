@@ -342,3 +342,34 @@ def test_for_env_parallel_env_of_vectorized_workers():
     assert (filt.options.mode, filt.options.joint_reset, filt.options.reset_group_size) == (
         "next_step", True, 3)
     assert "ParallelEnv" in repr(filt)
+
+
+def test_step_rows_reads_gymnasium_and_sb3_infos_with_dict_observations():
+    """step_rows with Dict observations. Bugs caught: the terminal observation
+    of the wrong env stored, a nested final entry not built like the
+    observation, the SB3 truncation flag not moved out of terminated."""
+    from cleanbuf import step_rows
+
+    obs = {"pos": np.zeros((3, 2), np.float32), "cam": np.zeros((3, 4), np.uint8)}
+    next_obs = {"pos": np.full((3, 2), 5, np.float32), "cam": np.full((3, 4), 5, np.uint8)}
+    final = np.array([None, {"pos": np.full(2, 9, np.float32), "cam": np.full(4, 9, np.uint8)}, None],
+                     dtype=object)
+    info = {"final_obs": final, "_final_obs": np.array([False, True, False])}
+    rows = step_rows(obs, np.zeros(3), next_obs, np.ones(3), np.array([False, True, False]),
+                     np.zeros(3, bool), info)
+    assert rows["next", "_final_obs"].reshape(-1).tolist() == [False, True, False]
+    assert rows["next", "final_obs", "pos"][1].tolist() == [9.0, 9.0]
+    assert rows["next", "final_obs", "cam"][1].tolist() == [9, 9, 9, 9]
+    assert rows["next", "final_obs", "pos"][0].tolist() == [0.0, 0.0]
+    out = AutoresetFilter("same_step", layout="step").inv(rows)
+    pos = out["next", "observation", "pos"]
+    assert pos[1].tolist() == [9.0, 9.0] and pos[0].tolist() == [5.0, 5.0]
+    assert out["next", "observation", "cam"][1].tolist() == [9, 9, 9, 9]
+    sb3_infos = [{}, {"terminal_observation": {"pos": np.full(2, 7, np.float32),
+                                               "cam": np.full(4, 7, np.uint8)},
+                      "TimeLimit.truncated": True}, {}]
+    rows = step_rows(obs, np.zeros(3), next_obs, np.ones(3), np.array([False, True, False]),
+                     None, sb3_infos)
+    assert rows["next", "truncated"].reshape(-1).tolist() == [False, True, False]
+    assert not rows["next", "terminated"].any() and rows["next", "done"].reshape(-1)[1]
+    assert rows["next", "final_obs", "cam"][1].tolist() == [7, 7, 7, 7]
