@@ -7,6 +7,8 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs.transforms import Transform
 
+from cleanbuf._patch import as_td
+
 E, T = 8, 128
 
 
@@ -106,6 +108,7 @@ class MinimalCompaction(Transform):
         n = td.numel()
         out = {}
         for key, value in td.items(include_nested=True, leaves_only=True):
+            key = key if isinstance(key, tuple) else (key,)
             flat = value.reshape(n, *value.shape[td.batch_dims:])
             if self.reuse:
                 buf = self._buffers.get(key)
@@ -114,19 +117,7 @@ class MinimalCompaction(Transform):
                 out[key] = torch.index_select(flat, 0, self.keep_index, out=buf)
             else:
                 out[key] = flat.index_select(0, self.keep_index)
-        nested: dict = {}
-        for k, v in out.items():
-            k = k if isinstance(k, tuple) else (k,)
-            node = nested
-            for p in k[:-1]:
-                node = node.setdefault(p, {})
-            node[k[-1]] = v
-        size = torch.Size([len(self.keep_index)])
-        return TensorDict._new_unsafe(
-            {k: TensorDict._new_unsafe(v, batch_size=size) if isinstance(v, dict) else v
-             for k, v in nested.items()},
-            batch_size=size,
-        )
+        return as_td(out, len(self.keep_index), td.device)
 
 
 def gymnasium_recipe(obs, actions, rewards, terms, truncs, next_obs):

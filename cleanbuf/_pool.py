@@ -71,10 +71,6 @@ class BufferPool:
             self._buffers[key] = (buf, idle)
         return buf[:rows]
 
-    def clear(self) -> None:
-        """Forgets every buffer."""
-        self._buffers.clear()
-
     def __getstate__(self) -> dict:
         # Buffers are a cache: never pickle (or deep-copy) them.
         return {}
