@@ -10,6 +10,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf._cleaner import Cleaner
 from cleanbuf._errors import InputError
+from cleanbuf._keys import DONE_KEYS
 from cleanbuf._options import Options
 
 
@@ -44,12 +45,12 @@ def _to_td(data: Mapping, batch_dims: int | None) -> tuple[TensorDictBase, bool]
             "the dict mixes numpy arrays and torch tensors; pass one kind so that the "
             "result can be returned as the same kind."
         )
-    done = next((tensors[k] for k in (("next", "done"), ("next", "terminated")) if k in tensors), None)
+    done = next((tensors[k] for k in DONE_KEYS if k in tensors), None)
     if batch_dims is None:
         if done is None:
             raise InputError(
-                "cannot infer the batch dimensions of a dict without ('next', 'done') or "
-                "('next', 'terminated'); pass batch_dims=."
+                "cannot infer the batch dimensions of a dict without a done key "
+                f"({', '.join(map(str, DONE_KEYS))}); pass batch_dims=."
             )
         batch_dims = done.dim() - 1 if done.dim() > 1 and done.shape[-1] == 1 else done.dim()
     shapes = {k: tuple(v.shape[:batch_dims]) for k, v in tensors.items()}

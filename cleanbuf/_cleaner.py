@@ -106,7 +106,7 @@ class Cleaner:
         n = layout.n_rows
         done = done_flags(leaves, opts.done_key, n)
         if opts.mode == "disabled":
-            return self._pass_through(leaves, layout, done)
+            return self._pass_through(leaves, layout, done, td.device)
         obs_keys, obs_only = self._observation_keys(leaves)
         same_step = opts.mode == "same_step"
         stitch = not (obs_only and opts.compact)
@@ -127,10 +127,7 @@ class Cleaner:
             if carry.need_init.any():
                 carry.need_init = np.zeros_like(carry.need_init)
             self._carry = carry
-            self._commit_layout(layout)
-            self._stats["rows_in"] += n
-            self._stats["rows_out"] += n
-            return as_td(moved, n, td.device)
+            return self._pass_through(moved, layout, done, td.device)
         (code, next_src, released_src, pending, waiting, need_init, shift, counts,
          bad_row) = _kernels.plan(
             n, layout.steps, layout.stream, done, self._joint(done, layout, n_streams),
@@ -206,7 +203,7 @@ class Cleaner:
         n_held = len(carry.held_stream)
         if n_held == 0:
             return TensorDict({}, batch_size=[0])
-        rows = {k: v.clone() for k, v in carry.held.items()}
+        rows = dict(carry.held)  # ours, forgotten below: patched in place
         obs_keys, obs_only = observation_keys(rows, opts.observation_keys, self._bookkeeping())
         done = done_flags(rows, opts.done_key, n_held)
         in_done_row = self._in_done_row(carry.layout_kind)
@@ -419,13 +416,14 @@ class Cleaner:
             )
         return policy or "nan"
 
-    def _pass_through(self, leaves, layout, done) -> TensorDictBase:
+    def _pass_through(self, leaves, layout, done, device) -> TensorDictBase:
+        """Every row as it came (views of the batch): disabled mode, or a call
+        with nothing to clean."""
         self._commit_layout(layout)
         self._stats["rows_in"] += layout.n_rows
         self._stats["rows_out"] += layout.n_rows
         self._stats["episodes_completed"] += int(done.sum())
-        device = next(iter(leaves.values())).device if leaves else None
-        return as_td(dict(leaves), layout.n_rows, device)
+        return as_td(leaves, layout.n_rows, device)
 
 
 def _cat_held(held: dict, kept_old: np.ndarray, new_held: dict) -> dict:

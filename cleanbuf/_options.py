@@ -60,7 +60,7 @@ def _key(key: NestedKey | None) -> tuple | None:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Everything a :class:`~cleanbuf.Cleaner` is configured with.
+    """Everything a :class:`cleanbuf._cleaner.Cleaner` is configured with.
 
     See :class:`cleanbuf.AutoresetFilter` for the meaning of each field.
     """
