@@ -141,7 +141,7 @@ class Cleaner:
         n_drop, n_lost, n_done = counts.tolist()
         policy = self._lost_policy(obs_keys, leaves, n_lost, final_missing=same_step)
         sel = _kernels.select_rows(code, next_src, policy == "drop")
-        emit, hold, stitched, _, _, final, emit_init, hold_init, emit_shift, hold_shift = sel
+        emit, hold, stitched, _, lost, final, emit_init, hold_init, emit_shift, hold_shift = sel
         released = released_src >= 0
         if len(carry.held_stream):
             slot_of = np.full(n_streams, -1, np.int64)
@@ -153,7 +153,7 @@ class Cleaner:
         n_rel = len(rel_streams)
         patched = set()
         if stitch and not obs_only and (len(stitched) or n_rel or len(final) or
-                                        (len(sel[4]) and policy == "nan")):
+                                        (len(lost) and policy == "nan")):
             patched.update(("next", *k) for k in obs_keys)
         if len(emit_init):
             patched.add(opts.is_init_key)
