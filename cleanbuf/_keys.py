@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf._errors import InputError
 
@@ -38,18 +38,37 @@ def flat_leaves(td: TensorDictBase, n_rows: int) -> dict:
         >>> flat_leaves(td, 6)[("a",)].shape
         torch.Size([6, 4])
     """
+    leaves: dict = {}
+    if not _walk(td, (), leaves):
+        # Lazy stacks, non-tensor leaves: TensorDict's own (slower) iterator.
+        leaves = {}
+        for key, value in td.items(include_nested=True, leaves_only=True):
+            leaves[key if isinstance(key, tuple) else (key,)] = value
     batch_ndim = td.batch_dims
-    leaves = {}
-    for key, value in td.items(include_nested=True, leaves_only=True):
-        key = key if isinstance(key, tuple) else (key,)
+    for key, value in leaves.items():
         if not isinstance(value, torch.Tensor):
             raise InputError(
                 f"key {_fmt(key)} holds {type(value).__name__}, not a tensor; cleanbuf "
                 "moves tensor leaves only. Exclude it before the filter "
                 "(data.exclude(key)) or store it as a tensor."
             )
-        leaves[key] = value if batch_ndim == 1 else value.reshape(n_rows, *value.shape[batch_ndim:])
+        if batch_ndim > 1:
+            leaves[key] = value.flatten(0, batch_ndim - 1)
     return leaves
+
+
+def _walk(td: TensorDictBase, prefix: tuple, leaves: dict) -> bool:
+    """Collects the tensor leaves of a plain ``TensorDict`` tree from its key
+    dicts (a few microseconds instead of ``items()``'s tens); False for any
+    other kind of node."""
+    if type(td) is not TensorDict:
+        return False
+    for key, value in td._tensordict.items():
+        if isinstance(value, torch.Tensor):
+            leaves[(*prefix, key)] = value
+        elif not _walk(value, (*prefix, key), leaves):
+            return False
+    return True
 
 
 def _row_flag(name: str, key: tuple, value: torch.Tensor, n_rows: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from cleanbuf._move import RowIndex, gather
+from cleanbuf._move import RowIndex, gather, numpy_view
 from cleanbuf._pool import MIN_POOLED_BYTES, BufferPool
 
 
@@ -98,19 +98,33 @@ def fix_bookkeeping(rows, offset, init_pos, row_shift, is_init_key, step_count_k
     the step counts of rows ``offset:``, where those keys exist."""
     if len(init_pos) and is_init_key in rows:
         fill_rows(rows[is_init_key], offset + init_pos, True)
-    if step_count_key in rows and row_shift.any():
-        x = rows[step_count_key]
-        # int8, 0 or 1 per row, converted once for both keys
-        shift = torch.from_numpy(row_shift).to(x.device, x.dtype).reshape(-1, *[1] * (x.dim() - 1))
-        for key in (step_count_key, ("next", *step_count_key)):
-            x = rows.get(key)
-            if x is not None:
-                view = x if offset == 0 and len(shift) == len(x) else x[offset : offset + len(shift)]
-                view -= shift.to(x.dtype)
+    if step_count_key not in rows or not row_shift.any():
+        return
+    for key in (step_count_key, ("next", *step_count_key)):
+        x = rows.get(key)
+        if x is None:
+            continue
+        view = x if offset == 0 and len(row_shift) == len(x) else x[offset : offset + len(row_shift)]
+        a = numpy_view(view)
+        if a is not None:
+            np.subtract(a, row_shift.reshape(-1, *[1] * (a.ndim - 1)), out=a, casting="unsafe")
+        else:
+            view -= torch.from_numpy(row_shift).to(x.device, x.dtype).reshape(-1, *[1] * (x.dim() - 1))
 
 
 def set_rows(dst: torch.Tensor, pos: np.ndarray, src: torch.Tensor, rows: np.ndarray) -> None:
-    """``dst[pos] = src[rows]``, on ``dst``'s device."""
+    """``dst[pos] = src[rows]``, on ``dst``'s device.
+
+    Examples:
+        >>> dst = torch.zeros(3)
+        >>> set_rows(dst, np.array([0, 2]), torch.tensor([5.0, 6.0, 7.0]), np.array([2, 1]))
+        >>> dst.tolist()
+        [7.0, 0.0, 6.0]
+    """
+    d, s = numpy_view(dst), numpy_view(src)
+    if d is not None and s is not None:
+        d[pos] = s[rows]
+        return
     dst[torch.from_numpy(pos).to(dst.device)] = src.index_select(
         0, torch.from_numpy(rows).to(src.device)
     ).to(dst.device)
@@ -118,7 +132,11 @@ def set_rows(dst: torch.Tensor, pos: np.ndarray, src: torch.Tensor, rows: np.nda
 
 def fill_rows(dst: torch.Tensor, pos: np.ndarray, value) -> None:
     """``dst[pos] = value``."""
-    dst[torch.from_numpy(pos).to(dst.device)] = value
+    d = numpy_view(dst)
+    if d is not None:
+        d[pos] = value
+    else:
+        dst[torch.from_numpy(pos).to(dst.device)] = value
 
 
 def as_td(leaves: dict, n_rows: int, device) -> TensorDictBase:
