@@ -29,6 +29,7 @@ from cleanbuf._keys import (
     observation_keys,
 )
 from cleanbuf._layout import CallLayout, resolve
+from cleanbuf._move import numpy_view
 from cleanbuf._options import Options
 from cleanbuf._patch import as_td, fill_rows, fix_bookkeeping, move, write_next_obs
 from cleanbuf._pool import BufferPool
@@ -157,8 +158,12 @@ class Cleaner:
             patched.update(("next", *k) for k in obs_keys)
         if len(emit_init):
             patched.add(opts.is_init_key)
-        if emit_shift.any():
+        if opts.step_count_key not in leaves or not emit_shift.any():
+            emit_shift = None
+        else:
             patched.update((opts.step_count_key, ("next", *opts.step_count_key)))
+        if opts.step_count_key not in leaves or not hold_shift.any():
+            hold_shift = None
         out, new_held = move(moved, carry.held, rel_slots, emit, hold, n, patched, self._pool)
         if stitch:
             write_next_obs(out, n_rel, leaves, obs_keys, sel, released_src[rel_streams],
@@ -355,8 +360,10 @@ class Cleaner:
         if not self.options.check_reset_rows or key is None or key not in leaves:
             return _NO_FLAGS
         reward = leaves[key]
-        if reward.device.type == "cpu" and reward.shape[1:].numel() == 1 and not reward.dtype.is_complex:
-            return reward.detach().reshape(n_rows).numpy()
+        if reward.shape[1:].numel() == 1 and not reward.dtype.is_complex:
+            a = numpy_view(reward)
+            if a is not None:
+                return a.reshape(n_rows)
         return (reward != 0).reshape(n_rows, -1).any(1).to(torch.uint8).cpu().numpy()
 
     def _raise_bad_reset_row(self, row, done, layout) -> None:

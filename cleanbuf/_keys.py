@@ -71,7 +71,8 @@ def _walk(td: TensorDictBase, prefix: tuple, leaves: dict) -> bool:
     return True
 
 
-def _row_flag(name: str, key: tuple, value: torch.Tensor, n_rows: int) -> torch.Tensor:
+def _row_flag(name: str, key: tuple, value: torch.Tensor) -> np.ndarray:
+    """The flags of ``value`` (one bool per row) as numpy, ``[n_rows]`` or ``[n_rows, 1]``."""
     if value.dtype != torch.bool:
         raise InputError(
             f"{name} key {_fmt(key)} must be torch.bool; got dtype {value.dtype}. "
@@ -84,7 +85,7 @@ def _row_flag(name: str, key: tuple, value: torch.Tensor, n_rows: int) -> torch.
             f"[*batch, 1]); got trailing shape {list(value.shape[1:])}. Multi-agent done "
             "flags need one env-level done; pass done_key= with such a key."
         )
-    return value.reshape(n_rows)
+    return value.numpy() if value.is_cpu else value.cpu().numpy()
 
 
 def done_flags(leaves: dict, done_key: tuple | None, n_rows: int) -> np.ndarray:
@@ -117,9 +118,9 @@ def done_flags(leaves: dict, done_key: tuple | None, n_rows: int) -> np.ndarray:
         )
     flag = None
     for key in keys:
-        value = _row_flag("done", key, leaves[key], n_rows)
+        value = _row_flag("done", key, leaves[key])
         flag = value if flag is None else flag | value
-    return flag.cpu().numpy()
+    return flag.reshape(n_rows)
 
 
 def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> tuple[list, bool]:

@@ -95,21 +95,24 @@ def write_next_obs(out, n_rel, leaves, obs_keys, sel, released_src, final_of, po
 
 def fix_bookkeeping(rows, offset, init_pos, row_shift, is_init_key, step_count_key) -> None:
     """Sets ``is_init`` at ``offset + init_pos`` and subtracts ``row_shift`` from
-    the step counts of rows ``offset:``, where those keys exist."""
+    the step counts of rows ``offset:``, where those keys exist.
+
+    ``row_shift`` is int8 per row, or None when no row shifts."""
     if len(init_pos) and is_init_key in rows:
         fill_rows(rows[is_init_key], offset + init_pos, True)
-    if step_count_key not in rows or not row_shift.any():
+    if row_shift is None:
         return
     for key in (step_count_key, ("next", *step_count_key)):
         x = rows.get(key)
         if x is None:
             continue
         view = x if offset == 0 and len(row_shift) == len(x) else x[offset : offset + len(row_shift)]
+        shift = row_shift.reshape(-1, *[1] * (x.dim() - 1))
         a = numpy_view(view)
         if a is not None:
-            np.subtract(a, row_shift.reshape(-1, *[1] * (a.ndim - 1)), out=a, casting="unsafe")
+            np.subtract(a, shift, out=a, casting="unsafe")
         else:
-            view -= torch.from_numpy(row_shift).to(x.device, x.dtype).reshape(-1, *[1] * (x.dim() - 1))
+            view -= torch.from_numpy(shift).to(x.device, x.dtype)
 
 
 def set_rows(dst: torch.Tensor, pos: np.ndarray, src: torch.Tensor, rows: np.ndarray) -> None:
