@@ -94,17 +94,26 @@ class MinimalCompaction(Transform):
     ``index_select`` per leaf, an unchecked TensorDict build. No planning, no
     patching, no state: what is left for cleanbuf to spend is above this.
 
+    ``keep_index`` is one index for every call, or a list of them used in
+    turn, call after call (None: nothing to drop in that call, the batch is
+    passed through flat, uncopied, as cleanbuf does).
+
     ``reuse=True`` copies into output buffers kept from the last call (safe
     here: the benchmark's tensor storage copies what it gets), which is the
     floor for large rows, where fresh memory costs page faults."""
 
-    def __init__(self, keep_index: torch.Tensor, reuse: bool = False):
+    def __init__(self, keep_index, reuse: bool = False):
         super().__init__(in_keys=[], out_keys=[])
-        self.keep_index = keep_index
+        self.keep_index = keep_index if isinstance(keep_index, list) else [keep_index]
         self.reuse = reuse
         self._buffers: dict = {}
+        self._calls = 0
 
     def _inv_call(self, td):
+        keep_index = self.keep_index[self._calls % len(self.keep_index)]
+        self._calls += 1
+        if keep_index is None:
+            return td.reshape(-1)
         n = td.numel()
         out = {}
         for key, value in td.items(include_nested=True, leaves_only=True):
@@ -113,11 +122,11 @@ class MinimalCompaction(Transform):
             if self.reuse:
                 buf = self._buffers.get(key)
                 if buf is None:
-                    buf = self._buffers[key] = flat.index_select(0, self.keep_index)
-                out[key] = torch.index_select(flat, 0, self.keep_index, out=buf)
+                    buf = self._buffers[key] = flat.index_select(0, keep_index)
+                out[key] = torch.index_select(flat, 0, keep_index, out=buf)
             else:
-                out[key] = flat.index_select(0, self.keep_index)
-        return as_td(out, len(self.keep_index), td.device)
+                out[key] = flat.index_select(0, keep_index)
+        return as_td(out, len(keep_index), td.device)
 
 
 def gymnasium_recipe(obs, actions, rewards, terms, truncs, next_obs):

@@ -84,21 +84,15 @@ class Table:
 def extend_cases(table: Table, kind: str, frac: float, rounds: int) -> None:
     batch = make_batch(kind, frac)
     capacity = batch.numel() * 4
-    n = batch.numel()
-    done = batch["next", "done"].reshape(-1)
-    keep = torch.ones(n, dtype=torch.bool)
-    keep[1:] = ~done[:-1]
-    keep = keep.reshape(batch.shape)
-    keep[:, 0] = True
-    keep_index = torch.nonzero(keep.reshape(-1)).flatten()
+    rows = keep_index(batch)
     rbs = {
         "plain": ReplayBuffer(storage=LazyTensorStorage(capacity)),
         "filter": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=AutoresetFilter()),
         "naive": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=NaiveFilter()),
         "reshape": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=ReshapeOnly()),
-        "compact": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=MinimalCompaction(keep_index)),
+        "compact": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=MinimalCompaction(rows)),
         "warm": ReplayBuffer(storage=LazyTensorStorage(capacity),
-                             transform=MinimalCompaction(keep_index, reuse=True)),
+                             transform=MinimalCompaction(rows, reuse=True)),
     }
     calls = {
         "plain": lambda: rbs["plain"].extend(batch.reshape(-1)),
@@ -131,9 +125,23 @@ def extend_cases(table: Table, kind: str, frac: float, rounds: int) -> None:
                       {"mujoco": 1.4, "atari": 1.5}[kind], ">=")
 
 
+def keep_index(batch) -> torch.Tensor:
+    """The flat rows of a next-step ``[E, T]`` batch that are not reset rows."""
+    done = batch["next", "done"].reshape(batch.shape)
+    keep = torch.ones(batch.shape, dtype=torch.bool)
+    keep[:, 1:] = ~done[:, :-1]
+    return torch.nonzero(keep.reshape(-1)).flatten()
+
+
 def recipe_case(table: Table, rounds: int) -> None:
     """Cleaning MuJoCo-like steps: Gymnasium's per-env loop recipe vs the filter,
-    on a [8, 128] collector batch and on a [64, 1024] one."""
+    on a [8, 128] collector batch and on a [64, 1024] one.
+
+    The recipe returns a list of tuples of numpy views (nothing copied); the
+    filter returns the kept rows as contiguous tensors, ready to store. The
+    floor row divides the recipe by the minimal compaction (one
+    ``index_select`` per leaf with a precomputed index, nothing else): no
+    filter that hands the buffer a batch can beat the recipe by more."""
     for n_envs, steps, reps in ((8, 128, rounds), (64, 1024, max(3, rounds // 20))):
         batch = make_batch("mujoco", 0.02, n_envs=n_envs, steps=steps)
         arrays = [batch[k].transpose(0, 1).numpy() for k in
@@ -141,10 +149,16 @@ def recipe_case(table: Table, rounds: int) -> None:
                    ("next", "truncated"), ("next", "observation"))]
         arrays[2], arrays[3], arrays[4] = (a.squeeze(-1) for a in arrays[2:5])
         filt = AutoresetFilter()
-        times = alternate({"recipe": lambda: gymnasium_recipe(*arrays), "filter": lambda: filt.inv(batch)}, reps)
-        table.add(f"cleaning one [{n_envs}, {steps}] batch: Gymnasium per-env loop recipe / filter (speed-up)",
-                  ms(statistics.median(times["recipe"])), ms(statistics.median(times["filter"])),
-                  ratio(times, "recipe", "filter"), 50, ">=", note="no storage write on either side")
+        compact = MinimalCompaction(keep_index(batch), reuse=True)
+        times = alternate({"recipe": lambda: gymnasium_recipe(*arrays), "filter": lambda: filt.inv(batch),
+                           "compact": lambda: compact.inv(batch)}, reps)
+        what = f"cleaning one [{n_envs}, {steps}] batch"
+        recipe = ms(statistics.median(times["recipe"]))
+        table.add(f"{what}: Gymnasium per-env loop recipe / filter (speed-up)", recipe,
+                  ms(statistics.median(times["filter"])), ratio(times, "recipe", "filter"), 50, ">=",
+                  note="no storage write on either side")
+        table.add(f"floor: {what}: Gymnasium recipe / minimal compaction into reused buffers (speed-up)", recipe,
+                  ms(statistics.median(times["compact"])), ratio(times, "recipe", "compact"), 0, None)
 
 
 def step_case(table: Table, rounds: int) -> None:
@@ -152,24 +166,42 @@ def step_case(table: Table, rounds: int) -> None:
 
     The rows are what ``cleanbuf.step_rows`` makes for a raw Gymnasium loop
     (observation, action, next observation, reward, terminated, truncated,
-    done: no StepCounter or InitTracker keys), MuJoCo-like, 2% reset rows."""
-    batch = make_batch("mujoco", 0.02, n_envs=16, steps=256).exclude(
+    done: no StepCounter or InitTracker keys), MuJoCo-like, 2% reset rows.
+    The floors: a transform that only reshapes, and the minimal compaction
+    that passes a step without reset rows through and drops the reset rows
+    of the others with a precomputed index."""
+    n_envs, n_steps = 16, 256
+    batch = make_batch("mujoco", 0.02, n_envs=n_envs, steps=n_steps).exclude(
         "is_init", "step_count", ("next", "step_count"), ("collector", "traj_ids"))
-    steps = [batch[:, t].clone() for t in range(256)]
-    plain = ReplayBuffer(storage=LazyTensorStorage(4096))
-    filt_rb = ReplayBuffer(storage=LazyTensorStorage(4096), transform=AutoresetFilter(layout="step"))
-    it = {"plain": 0, "filter": 0}
+    steps = [batch[:, t].clone() for t in range(n_steps)]
+    done = batch["next", "done"].reshape(n_envs, n_steps)
+    # Step t's reset rows follow step t - 1's done rows (cyclically: the batch
+    # has no done row in its last steps, so step 0 has none).
+    keep = [~done[:, t - 1] for t in range(n_steps)]
+    keep = [None if k.all() else torch.nonzero(k).flatten() for k in keep]
+    rbs = {
+        "plain": ReplayBuffer(storage=LazyTensorStorage(4096)),
+        "filter": ReplayBuffer(storage=LazyTensorStorage(4096), transform=AutoresetFilter(layout="step")),
+        "reshape": ReplayBuffer(storage=LazyTensorStorage(4096), transform=ReshapeOnly()),
+        "compact": ReplayBuffer(storage=LazyTensorStorage(4096), transform=MinimalCompaction(keep)),
+    }
+    it = dict.fromkeys(rbs, 0)
 
-    def run(name, rb):
+    def run(name):
         def call():
-            rb.extend(steps[it[name] % 256])
+            rbs[name].extend(steps[it[name] % n_steps])
             it[name] += 1
         return call
 
-    times = alternate({"plain": run("plain", plain), "filter": run("filter", filt_rb)}, rounds)
-    table.add("per-step path, layout='step', 16 envs per extend / plain extend",
-              ms(statistics.median(times["plain"])), ms(statistics.median(times["filter"])),
+    times = alternate({name: run(name) for name in rbs}, rounds)
+    what = f"per-step path, layout='step', {n_envs} envs per extend"
+    plain = ms(statistics.median(times["plain"]))
+    table.add(f"{what} / plain extend", plain, ms(statistics.median(times["filter"])),
               ratio(times, "filter", "plain"), 1.25, "<=", note="raw-loop rows, MuJoCo-like, 2% reset rows")
+    table.add(f"floor: {what}: reshape-only transform / plain", plain,
+              ms(statistics.median(times["reshape"])), ratio(times, "reshape", "plain"), 0, None)
+    table.add(f"floor: {what}: minimal compaction / plain", plain,
+              ms(statistics.median(times["compact"])), ratio(times, "compact", "plain"), 0, None)
 
 
 def kernel_scaling(table: Table, quick: bool) -> list:
@@ -221,8 +253,10 @@ def startup_case(table: Table) -> None:
 
 
 def memory_case(table: Table) -> None:
-    plain = child("memory", "plain")
-    ours = child("memory", "filter")
+    """Peak memory of fresh processes; the median of three runs of each variant
+    (a single run's peak moves by up to a batch with the allocator's timing)."""
+    runs = {v: [child("memory", v) for _ in range(3)] for v in ("plain", "filter")}
+    plain, ours = (sorted(r, key=lambda x: x["peak_bytes"])[1] for r in runs.values())
     extra = (ours["peak_bytes"] - plain["peak_bytes"]) / ours["batch_bytes"]
     table.add("peak memory streaming 1 GB of Atari-like batches: (ours - plain) / one batch",
               f"{plain['peak_bytes'] / 2**20:.0f} MiB", f"{ours['peak_bytes'] / 2**20:.0f} MiB",
