@@ -4,9 +4,10 @@ Run: ``.venv/bin/python -m bench.run`` (``--quick`` for a smoke run). It
 prints a table (case, baseline, ours, ratio, target, pass/fail) and writes
 ``bench/results.md``, ``bench/results.json`` and ``bench/results.png``.
 
-Times are medians over rounds in which the variants run alternately, in one
-process, on one torch thread; a ratio is the median of the per-round ratios
-(these machines are noisy, so nothing is compared across runs).
+Each ratio comes from its own pair: the two variants run alternately, round
+after round, in one process, on one torch thread, and the ratio is the median
+of the per-round ratios (these machines are noisy, so nothing is compared
+across runs). Times are the medians of the same rounds.
 """
 
 from __future__ import annotations
@@ -55,6 +56,19 @@ def ratio(times: dict, num: str, den: str) -> float:
     return statistics.median(a / b for a, b in zip(times[num], times[den]))
 
 
+def pair(table: "Table", case: str, calls: dict, base: str, ours: str, rounds: int,
+         target: float = 0, op: str | None = None, note: str = "", speedup: bool = False,
+         group: str | None = None) -> None:
+    """Times ``calls[base]`` and ``calls[ours]`` alternately, a pair per round,
+    and adds the row: the median of the per-pair ratios ``ours / base`` (or
+    ``base / ours`` for a ``speedup``). ``group`` ties a case to its floors
+    in the plot."""
+    times = alternate({base: calls[base], ours: calls[ours]}, rounds)
+    value = ratio(times, base, ours) if speedup else ratio(times, ours, base)
+    table.add(case, ms(statistics.median(times[base])), ms(statistics.median(times[ours])),
+              value, target, op, note=note, group=group)
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
@@ -63,7 +77,7 @@ class Table:
     def __init__(self):
         self.rows = []
 
-    def add(self, case, baseline, ours, value, target, op, unit="x", note=""):
+    def add(self, case, baseline, ours, value, target, op, unit="x", note="", group=None):
         ok = None if op is None else (value <= target if op == "<=" else value >= target)
         self.rows.append({
             "case": case, "baseline": baseline, "ours": ours, "ratio": value,
@@ -71,6 +85,7 @@ class Table:
             "target": "-" if op is None else f"{op} {target:g}{unit if unit == 'x' else ' ' + unit}",
             "target_value": target, "op": op,
             "pass": "-" if ok is None else ("pass" if ok else "FAIL"), "note": note,
+            "group": group,
         })
 
     def markdown(self) -> str:
@@ -94,35 +109,24 @@ def extend_cases(table: Table, kind: str, frac: float, rounds: int) -> None:
         "warm": ReplayBuffer(storage=LazyTensorStorage(capacity),
                              transform=MinimalCompaction(rows, reuse=True)),
     }
-    calls = {
-        "plain": lambda: rbs["plain"].extend(batch.reshape(-1)),
-        "filter": lambda: rbs["filter"].extend(batch),
-        "naive": lambda: rbs["naive"].extend(batch),
-        "reshape": lambda: rbs["reshape"].extend(batch),
-        "compact": lambda: rbs["compact"].extend(batch),
-        "warm": lambda: rbs["warm"].extend(batch),
-    }
-    if frac == 0:
-        del calls["naive"], calls["compact"], calls["warm"]
-    times = alternate(calls, rounds)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    calls = {name: (lambda rb=rb: rb.extend(batch)) for name, rb in rbs.items()}
+    calls["plain"] = lambda: rbs["plain"].extend(batch.reshape(-1))
     name = {"mujoco": "MuJoCo-like", "atari": "Atari-like"}[kind]
-    what = f"{frac:.0%} reset rows" if frac else "no reset rows"
+    what = f"{name}, {frac:.0%} reset rows" if frac else f"{name}, no reset rows"
     targets = {("mujoco", 0.02): 1.15, ("atari", 0.02): 1.10, ("mujoco", 0.10): 1.20,
                ("atari", 0.10): 1.15, ("mujoco", 0.0): 1.10, ("atari", 0.0): 1.03}
-    table.add(f"extend with filter / plain extend, {name}, {what}", ms(med["plain"]),
-              ms(med["filter"]), ratio(times, "filter", "plain"), targets[(kind, frac)], "<=")
-    table.add(f"floor: reshape-only transform / plain, {name}, {what}", ms(med["plain"]),
-              ms(med["reshape"]), ratio(times, "reshape", "plain"), 0, None)
+    pair(table, f"extend with filter / plain extend, {what}", calls, "plain", "filter", rounds,
+         targets[(kind, frac)], "<=", group=what)
+    pair(table, f"floor: reshape-only transform / plain, {what}", calls, "plain", "reshape", rounds,
+         group=what)
     if frac:
-        table.add(f"floor: minimal compaction transform / plain, {name}, {what}", ms(med["plain"]),
-                  ms(med["compact"]), ratio(times, "compact", "plain"), 0, None)
-        table.add(f"floor: minimal compaction into reused buffers / plain, {name}, {what}",
-                  ms(med["plain"]), ms(med["warm"]), ratio(times, "warm", "plain"), 0, None)
-        if frac == 0.02:
-            table.add(f"naive td[keep] transform / filter (speed-up), {name}, {what}",
-                      ms(med["naive"]), ms(med["filter"]), ratio(times, "naive", "filter"),
-                      {"mujoco": 1.4, "atari": 1.5}[kind], ">=")
+        pair(table, f"floor: minimal compaction transform / plain, {what}", calls, "plain", "compact",
+             rounds, group=what)
+        pair(table, f"floor: minimal compaction into reused buffers / plain, {what}", calls, "plain",
+             "warm", rounds, group=what)
+    if frac == 0.02:
+        pair(table, f"naive td[keep] transform / filter (speed-up), {what}", calls, "naive", "filter",
+             rounds, {"mujoco": 1.4, "atari": 1.5}[kind], ">=", speedup=True)
 
 
 def keep_index(batch) -> torch.Tensor:
@@ -150,15 +154,13 @@ def recipe_case(table: Table, rounds: int) -> None:
         arrays[2], arrays[3], arrays[4] = (a.squeeze(-1) for a in arrays[2:5])
         filt = AutoresetFilter()
         compact = MinimalCompaction(keep_index(batch), reuse=True)
-        times = alternate({"recipe": lambda: gymnasium_recipe(*arrays), "filter": lambda: filt.inv(batch),
-                           "compact": lambda: compact.inv(batch)}, reps)
+        calls = {"recipe": lambda: gymnasium_recipe(*arrays), "filter": lambda: filt.inv(batch),
+                 "compact": lambda: compact.inv(batch)}
         what = f"cleaning one [{n_envs}, {steps}] batch"
-        recipe = ms(statistics.median(times["recipe"]))
-        table.add(f"{what}: Gymnasium per-env loop recipe / filter (speed-up)", recipe,
-                  ms(statistics.median(times["filter"])), ratio(times, "recipe", "filter"), 50, ">=",
-                  note="no storage write on either side")
-        table.add(f"floor: {what}: Gymnasium recipe / minimal compaction into reused buffers (speed-up)", recipe,
-                  ms(statistics.median(times["compact"])), ratio(times, "recipe", "compact"), 0, None)
+        pair(table, f"{what}: Gymnasium per-env loop recipe / filter (speed-up)", calls, "recipe",
+             "filter", reps, 50, ">=", note="no storage write on either side", speedup=True)
+        pair(table, f"floor: {what}: Gymnasium recipe / minimal compaction into reused buffers "
+             "(speed-up)", calls, "recipe", "compact", reps, speedup=True)
 
 
 def step_case(table: Table, rounds: int) -> None:
@@ -193,15 +195,14 @@ def step_case(table: Table, rounds: int) -> None:
             it[name] += 1
         return call
 
-    times = alternate({name: run(name) for name in rbs}, rounds)
+    calls = {name: run(name) for name in rbs}
     what = f"per-step path, layout='step', {n_envs} envs per extend"
-    plain = ms(statistics.median(times["plain"]))
-    table.add(f"{what} / plain extend", plain, ms(statistics.median(times["filter"])),
-              ratio(times, "filter", "plain"), 1.25, "<=", note="raw-loop rows, MuJoCo-like, 2% reset rows")
-    table.add(f"floor: {what}: reshape-only transform / plain", plain,
-              ms(statistics.median(times["reshape"])), ratio(times, "reshape", "plain"), 0, None)
-    table.add(f"floor: {what}: minimal compaction / plain", plain,
-              ms(statistics.median(times["compact"])), ratio(times, "compact", "plain"), 0, None)
+    pair(table, f"{what} / plain extend", calls, "plain", "filter", rounds, 1.25, "<=",
+         note="raw-loop rows, MuJoCo-like, 2% reset rows", group=what)
+    pair(table, f"floor: {what}: reshape-only transform / plain", calls, "plain", "reshape", rounds,
+         group=what)
+    pair(table, f"floor: {what}: minimal compaction / plain", calls, "plain", "compact", rounds,
+         group=what)
 
 
 def kernel_scaling(table: Table, quick: bool) -> list:
@@ -283,23 +284,20 @@ def plot(table: Table, series: list, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in table.rows if r["op"] == "<=" and r["ratio_str"].endswith("x")
-            and "extend" in r["case"] and "floor" not in r["case"]]
-    floors = {}
+    rows = [r for r in table.rows if r["group"] and r["op"] == "<="]
+    floors: dict = {}  # group -> (is a compaction, ratio): the best compaction, else reshape-only
     for r in table.rows:
-        if r["case"].startswith("floor: minimal compaction"):
-            label = r["case"].split("/ plain, ")[1]
-            floors[label] = min(r["ratio"], floors.get(label, r["ratio"]))
+        if r["group"] and r["op"] is None:
+            key = ("minimal compaction" in r["case"], -r["ratio"])
+            floors[r["group"]] = max(floors.get(r["group"], key), key)
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
-    labels = [r["case"].replace("extend with filter / plain extend, ", "").replace(" / plain extend", "")
-              for r in rows]
+    labels = [r["group"] for r in rows]
     y = np.arange(len(rows))
     colors = ["tab:green" if r["pass"] == "pass" else "tab:red" for r in rows]
     a.barh(y, [r["ratio"] for r in rows], color=colors)
     a.scatter([r["target_value"] for r in rows], y, marker="|", s=400, color="black", label="target")
-    fy = [i for i, lab in enumerate(labels) if lab in floors]
-    a.scatter([floors[labels[i]] for i in fy], fy, marker="x", s=60, color="tab:blue",
-              label="floor: minimal compaction (best of fresh / reused buffers)")
+    a.scatter([-floors[g][1] for g in labels], y, marker="x", s=60, color="tab:blue",
+              label="floor: best minimal compaction (reshape-only where nothing is dropped)")
     a.axvline(1.0, color="grey", lw=0.8)
     a.set_yticks(y, labels, fontsize=8)
     a.invert_yaxis()
