@@ -118,9 +118,9 @@ def done_flags(leaves: dict, done_key: tuple | None, n_rows: int) -> np.ndarray:
         )
     flag = None
     for key in keys:
-        value = _row_flag("done", key, leaves[key])
+        value = _row_flag("done", key, leaves[key]).reshape(n_rows)
         flag = value if flag is None else flag | value
-    return flag.reshape(n_rows)
+    return flag
 
 
 def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> tuple[list, bool]:

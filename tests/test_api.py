@@ -97,6 +97,24 @@ def test_filter_does_not_mutate_the_callers_batch():
     assert out["is_init"].reshape(-1)[0]
 
 
+def test_terminated_and_truncated_of_different_trailing_shapes():
+    """Done flags read from ``terminated | truncated`` where one is ``[E, T, 1]``
+    and the other ``[E, T]`` (both one flag per row). Bug caught: the two
+    flag arrays broadcast against each other (``[N, 1] | [N]`` is ``[N, N]``)
+    instead of being read row by row."""
+    batch = next_step_batch(2, 12, 3)
+    done = batch["next", "done"]
+    flags = batch.exclude(("next", "done"))
+    flags.set(("next", "terminated"), done.clone())
+    mixed = flags.clone()
+    mixed.set(("next", "truncated"), torch.zeros(done.shape[:-1], dtype=torch.bool))
+    flags.set(("next", "truncated"), torch.zeros_like(done))
+    want = AutoresetFilter("next_step").inv(flags)
+    got = AutoresetFilter("next_step").inv(mixed)
+    assert len(got) == len(want) < batch.numel()
+    assert (got["next", "observation"] == want["next", "observation"]).all()
+
+
 def test_state_dict_via_replay_buffer_and_pickle():
     """Bugs caught: the carry state missing from rb.state_dict() (a restored
     buffer forgets the held rows and keeps a reset row), or the filter not
