@@ -285,7 +285,7 @@ def plot(table: Table, series: list, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in table.rows if r["group"] and r["op"] == "<="]
-    floors: dict = {}  # group -> (is a compaction, ratio): the best compaction, else reshape-only
+    floors: dict = {}  # group -> (is a compaction, -ratio): the best compaction, else reshape-only
     for r in table.rows:
         if r["group"] and r["op"] is None:
             key = ("minimal compaction" in r["case"], -r["ratio"])
