@@ -234,8 +234,7 @@ class Cleaner:
         s["next_obs_missing"] += n_next
         s["lost_rows_dropped"] += n_held - len(keep)
         s["rows_held"] = 0
-        device = next(iter(rows.values())).device
-        return as_td(rows, len(keep), device)
+        return as_td(rows, len(keep))
 
     def state_dict(self) -> dict:
         """The carry state and counters, as tensors and plain Python values."""

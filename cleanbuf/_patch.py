@@ -142,18 +142,35 @@ def fill_rows(dst: torch.Tensor, pos: np.ndarray, value) -> None:
         dst[torch.from_numpy(pos).to(dst.device)] = value
 
 
-def as_td(leaves: dict, n_rows: int, device) -> TensorDictBase:
+def as_td(leaves: dict, n_rows: int, device=None) -> TensorDictBase:
     """Builds a TensorDict ``[n_rows]`` from tuple-keyed leaves.
 
     The leaves were made here with the right batch size and device, so the
     TensorDict's checks are skipped (``_new_unsafe``, as TorchRL does on its
     own hot paths); that saves about 20 us a call on MuJoCo-sized batches.
 
+    The TensorDict declares the device its leaves share (``device``, or the
+    leaves' common device when ``device`` is None), even when the batch
+    came without one, as TorchRL's collectors yield it. A storage compares
+    that device with its own and, when they differ, runs ``to()`` over every
+    leaf first: with ``device=None`` that costs a plain ``extend`` of a
+    MuJoCo-like ``[8, 128]`` batch about a third of its time (178 us against
+    114 us). Leaves on different devices keep ``device=None``.
+
+    Args:
+        leaves: tuple key -> tensor of ``n_rows`` rows.
+        n_rows: the batch size.
+        device: the device every leaf is on (that of the batch), or None.
+
     Examples:
-        >>> td = as_td({("a",): torch.zeros(2), ("next", "b"): torch.ones(2, 3)}, 2, None)
-        >>> td["next", "b"].shape
-        torch.Size([2, 3])
+        >>> td = as_td({("a",): torch.zeros(2), ("next", "b"): torch.ones(2, 3)}, 2)
+        >>> td["next", "b"].shape, td.device
+        (torch.Size([2, 3]), device(type='cpu'))
+        >>> as_td({("a",): torch.zeros(2), ("b",): torch.zeros(2, device="meta")}, 2).device is None
+        True
     """
+    if device is None:
+        device = common_device(leaves)
     batch = torch.Size([n_rows])
     nested: dict = {}
     for k, v in leaves.items():
@@ -162,6 +179,24 @@ def as_td(leaves: dict, n_rows: int, device) -> TensorDictBase:
             node = node.setdefault(part, {})
         node[k[-1]] = v
     return _nest(nested, batch, device)
+
+
+def common_device(leaves: dict) -> torch.device | None:
+    """The device every leaf is on; None if they differ or there is no leaf.
+
+    Examples:
+        >>> common_device({("a",): torch.zeros(1), ("b",): torch.ones(1)})
+        device(type='cpu')
+        >>> common_device({}) is None
+        True
+    """
+    device = None
+    for v in leaves.values():
+        if device is None:
+            device = v.device
+        elif v.device != device:
+            return None
+    return device
 
 
 def _nest(tree: dict, batch: torch.Size, device) -> TensorDictBase:

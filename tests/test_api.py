@@ -97,6 +97,33 @@ def test_filter_does_not_mutate_the_callers_batch():
     assert out["is_init"].reshape(-1)[0]
 
 
+def test_output_declares_the_device_its_rows_are_on():
+    """Collector batches come with ``device=None``; the filter's output says
+    where its rows are, in the copying path, the zero-copy path and at a
+    flush. Bug caught: an output without a device, which makes the storage
+    run ``to()`` over every leaf before writing (a third of a MuJoCo-sized
+    extend)."""
+    for seed in range(50):
+        batch = next_step_batch(2, 12, seed)
+        if batch["next", "done"][:, -1].any() and batch["next", "done"][:, :-2].any():
+            break
+    assert batch.device is None
+    filt = AutoresetFilter("next_step")
+    copied = filt.inv(batch)
+    assert len(copied) < batch.numel() - filt.stats["rows_held"]  # rows were dropped
+    quiet = batch[:, -1:].clone()
+    quiet["next", "done"] = torch.zeros_like(quiet["next", "done"])
+    quiet["next", "reward"] = torch.ones_like(quiet["next", "reward"])
+    fresh = AutoresetFilter("next_step")
+    passed = fresh.inv(quiet)
+    assert passed["observation"].data_ptr() == quiet["observation"].data_ptr()  # zero-copy
+    held = filt.flush()
+    assert len(held) > 0
+    for out in (copied, passed, held):
+        assert out.device == torch.device("cpu")
+        assert out["next"].device == torch.device("cpu")
+
+
 def test_terminated_and_truncated_of_different_trailing_shapes():
     """Done flags read from ``terminated | truncated`` where one is ``[E, T, 1]``
     and the other ``[E, T]`` (both one flag per row). Bug caught: the two
