@@ -12,8 +12,11 @@ from cleanbuf._patch import as_td
 E, T = 8, 128
 
 
-def make_batch(kind: str, reset_frac: float, n_envs: int = E, steps: int = T, seed: int = 0) -> TensorDict:
-    """A next-step [n_envs, steps] batch shaped like TorchRL collector output.
+def make_batch(kind: str, reset_frac: float, n_envs: int = E, steps: int = T, seed: int = 0,
+               device=None) -> TensorDict:
+    """A next-step [n_envs, steps] batch shaped like TorchRL collector output
+    (``device=None``, as TorchRL's ``Collector`` yields it, unless ``device``
+    is given).
 
     Episodes last about ``1 / reset_frac - 1`` steps, each followed by its
     reset row (reward 0, is_init, step_count 0). No done row in the last two
@@ -62,6 +65,7 @@ def make_batch(kind: str, reset_frac: float, n_envs: int = E, steps: int = T, se
             },
         },
         batch_size=[n_envs, steps],
+        device=device,
     )
 
 
@@ -80,7 +84,9 @@ class NaiveFilter(Transform):
 
 
 class ReshapeOnly(Transform):
-    """The floor of TorchRL's transform machinery: a transform that only flattens."""
+    """The floor of TorchRL's transform machinery: a transform that only flattens
+    (``td.reshape(-1)``, which keeps the batch's device, None for a collector
+    batch, so the storage runs ``to()`` before writing, as for a plain extend)."""
 
     def __init__(self):
         super().__init__(in_keys=[], out_keys=[])
@@ -98,6 +104,9 @@ class MinimalCompaction(Transform):
     turn, call after call (None: nothing to drop in that call, the batch is
     passed through flat, uncopied, as cleanbuf does).
 
+    Like cleanbuf's, its output declares the device its leaves are on
+    (``as_td``), so the storage writes it without a ``to()`` first.
+
     ``reuse=True`` copies into output buffers kept from the last call (safe
     here: the benchmark's tensor storage copies what it gets), which is the
     floor for large rows, where fresh memory costs page faults."""
@@ -112,21 +121,21 @@ class MinimalCompaction(Transform):
     def _inv_call(self, td):
         keep_index = self.keep_index[self._calls % len(self.keep_index)]
         self._calls += 1
-        if keep_index is None:
-            return td.reshape(-1)
         n = td.numel()
         out = {}
         for key, value in td.items(include_nested=True, leaves_only=True):
             key = key if isinstance(key, tuple) else (key,)
             flat = value.reshape(n, *value.shape[td.batch_dims:])
-            if self.reuse:
+            if keep_index is None:
+                out[key] = flat
+            elif self.reuse:
                 buf = self._buffers.get(key)
                 if buf is None:
                     buf = self._buffers[key] = flat.index_select(0, keep_index)
                 out[key] = torch.index_select(flat, 0, keep_index, out=buf)
             else:
                 out[key] = flat.index_select(0, keep_index)
-        return as_td(out, len(keep_index), td.device)
+        return as_td(out, n if keep_index is None else len(keep_index), td.device)
 
 
 def gymnasium_recipe(obs, actions, rewards, terms, truncs, next_obs):

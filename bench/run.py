@@ -127,6 +127,21 @@ def extend_cases(table: Table, kind: str, frac: float, rounds: int) -> None:
     if frac == 0.02:
         pair(table, f"naive td[keep] transform / filter (speed-up), {what}", calls, "naive", "filter",
              rounds, {"mujoco": 1.4, "atari": 1.5}[kind], ">=", speedup=True)
+    if frac == 0.02 and kind == "mujoco":
+        declared_device_case(table, what, rounds)
+
+
+def declared_device_case(table: Table, what: str, rounds: int) -> None:
+    """The same batch with ``device="cpu"`` declared: the plain extend then skips
+    the storage's ``to()`` too, so the filter's cost shows at its full size."""
+    batch = make_batch("mujoco", 0.02, device="cpu")
+    capacity = batch.numel() * 4
+    plain = ReplayBuffer(storage=LazyTensorStorage(capacity))
+    filt = ReplayBuffer(storage=LazyTensorStorage(capacity), transform=AutoresetFilter())
+    calls = {"plain": lambda: plain.extend(batch.reshape(-1)), "filter": lambda: filt.extend(batch)}
+    pair(table, f"extend with filter / plain extend, {what}, batch with device='cpu'", calls,
+         "plain", "filter", rounds,
+         note="a collector batch has device=None; declared here, the plain extend skips to() too")
 
 
 def keep_index(batch) -> torch.Tensor:
