@@ -14,8 +14,6 @@ device the rows never leave it.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -92,7 +90,7 @@ def gather(
     """
     n_head = 0 if head is None else len(head)
     if out is None and n_head == 0:
-        if x.is_cpu and x.element_size() * math.prod(x.shape[1:]) <= SMALL_ROW_BYTES:
+        if x.nbytes <= SMALL_ROW_BYTES * len(x) and x.is_cpu:
             a = numpy_view(x)
             if a is not None:
                 return torch.from_numpy(np.take(a, rows.index, axis=0))

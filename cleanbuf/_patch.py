@@ -48,7 +48,7 @@ def move(leaves: dict, held: dict, rel_slots: np.ndarray, emit: np.ndarray, hold
         for k, x in leaves.items():
             head = held[k].index_select(0, slots.on(held[k].device)) if len(slots) else None
             buf = None
-            if x.numel() * x.element_size() >= MIN_POOLED_BYTES:
+            if x.nbytes >= MIN_POOLED_BYTES:
                 buf = pool.take(k, (size, *x.shape[1:]), x.dtype, x.device)
             out[k] = gather(x, emit_rows, head, buf)
     if len(hold_rows):
@@ -102,17 +102,18 @@ def fix_bookkeeping(rows, offset, init_pos, row_shift, is_init_key, step_count_k
         fill_rows(rows[is_init_key], offset + init_pos, True)
     if row_shift is None:
         return
+    end = offset + len(row_shift)
     for key in (step_count_key, ("next", *step_count_key)):
         x = rows.get(key)
         if x is None:
             continue
-        view = x if offset == 0 and len(row_shift) == len(x) else x[offset : offset + len(row_shift)]
         shift = row_shift.reshape(-1, *[1] * (x.dim() - 1))
-        a = numpy_view(view)
+        a = numpy_view(x)
         if a is not None:
+            a = a[offset:end]
             np.subtract(a, shift, out=a, casting="unsafe")
         else:
-            view -= torch.from_numpy(shift).to(x.device, x.dtype)
+            x[offset:end] -= torch.from_numpy(shift).to(x.device, x.dtype)
 
 
 def set_rows(dst: torch.Tensor, pos: np.ndarray, src: torch.Tensor, rows: np.ndarray) -> None:
