@@ -34,7 +34,10 @@ class AutoresetFilter(Transform):
     reset row is dropped when it comes. The output is
     flat rows ``[M]``: a 1-D storage stores rows. A call that drops, holds
     and fixes nothing returns views of the batch (what a plain extend would
-    store); otherwise the rows are copies. A call that leaves no row
+    store); otherwise the rows are copies. The output declares the device
+    its rows are on, even when the batch has none (TorchRL's collectors
+    yield ``device=None``), so a storage writes it without a ``to()`` over
+    every leaf first. A call that leaves no row
     returns None, which the buffer stores as nothing. Inside a ``Compose``
     the write path runs the transforms from last to first; a transform that
     runs after this filter there receives that None and must accept it.
