@@ -48,8 +48,8 @@ class Carry:
         """
         out = copy.copy(self)
         extra = n_streams - len(self.pending)
-        for name, dtype in _PER_STREAM.items():
-            if extra > 0:
+        if extra > 0:
+            for name, dtype in _PER_STREAM.items():
                 setattr(out, name, np.concatenate([getattr(self, name), np.zeros(extra, dtype)]))
         return out
 

@@ -40,7 +40,6 @@ def _final_from_info(info: Any, next_obs: Any, n: int):
         ``(final, present)``: the terminal observations shaped like
         ``next_obs`` (zeros where absent), and the bool mask ``[n]``.
     """
-    present = np.zeros(n, bool)
     entries: list = [None] * n
     if isinstance(info, Mapping):
         key = next((k for k in ("final_obs", "final_observation") if k in info), None)
@@ -59,8 +58,7 @@ def _final_from_info(info: Any, next_obs: Any, n: int):
             f"info must be Gymnasium's info dict or Stable-Baselines3's list of info dicts; "
             f"got {type(info).__name__}."
         )
-    for i, e in enumerate(entries):
-        present[i] = e is not None
+    present = np.array([e is not None for e in entries], bool)
 
     def fill(template: Any, pick):
         if isinstance(template, Mapping):
