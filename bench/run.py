@@ -30,7 +30,14 @@ import torch
 import torchrl
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-from bench.data import MinimalCompaction, NaiveFilter, ReshapeOnly, gymnasium_recipe, make_batch
+from bench.data import (
+    MinimalCleaning,
+    MinimalCompaction,
+    NaiveFilter,
+    ReshapeOnly,
+    gymnasium_recipe,
+    make_batch,
+)
 from cleanbuf import AutoresetFilter, _kernels
 
 HERE = Path(__file__).parent
@@ -108,7 +115,11 @@ def extend_cases(table: Table, kind: str, frac: float, rounds: int) -> None:
         "compact": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=MinimalCompaction(rows)),
         "warm": ReplayBuffer(storage=LazyTensorStorage(capacity),
                              transform=MinimalCompaction(rows, reuse=True)),
+        "cleaning": ReplayBuffer(storage=LazyTensorStorage(capacity),
+                                 transform=MinimalCleaning(reuse=True)),
     }
+    if frac:
+        check_same_rows(batch)
     calls = {name: (lambda rb=rb: rb.extend(batch)) for name, rb in rbs.items()}
     calls["plain"] = lambda: rbs["plain"].extend(batch.reshape(-1))
     name = {"mujoco": "MuJoCo-like", "atari": "Atari-like"}[kind]
@@ -124,11 +135,28 @@ def extend_cases(table: Table, kind: str, frac: float, rounds: int) -> None:
              rounds, group=what)
         pair(table, f"floor: minimal compaction into reused buffers / plain, {what}", calls, "plain",
              "warm", rounds, group=what)
+        pair(table, f"floor: minimal cleaning into reused buffers / plain, {what}", calls, "plain",
+             "cleaning", rounds, group=what)
     if frac == 0.02:
         pair(table, f"naive td[keep] transform / filter (speed-up), {what}", calls, "naive", "filter",
              rounds, {"mujoco": 1.4, "atari": 1.5}[kind], ">=", speedup=True)
+        pair(table, f"floor: naive td[keep] transform / minimal cleaning (speed-up), {what}", calls,
+             "naive", "cleaning", rounds, speedup=True)
     if frac == 0.02 and kind == "mujoco":
         declared_device_case(table, what, rounds)
+
+
+def check_same_rows(batch, calls: int = 4) -> None:
+    """The minimal cleaning floor must store what the filter stores, or it is no
+    floor: compares their rows call after call (the carry state included)."""
+    filt, floor = AutoresetFilter(), MinimalCleaning(reuse=True)
+    for call in range(calls):
+        ours, theirs = filt.inv(batch), floor.inv(batch)
+        same = ours.batch_size == theirs.batch_size and sorted(ours.keys(True, True), key=str) == \
+            sorted(theirs.keys(True, True), key=str)
+        if not same or not all(torch.equal(ours[k], theirs[k]) for k in ours.keys(True, True)):
+            raise AssertionError(f"the minimal cleaning floor stores other rows than the filter "
+                                 f"(call {call}): it is not a floor")
 
 
 def declared_device_case(table: Table, what: str, rounds: int) -> None:
@@ -301,8 +329,12 @@ def plot(table: Table, series: list, path: Path) -> None:
 
     rows = [r for r in table.rows if r["group"] and r["op"] == "<="]
     floors: dict = {}  # group -> (is a compaction, -ratio): the best compaction, else reshape-only
+    cleaning: dict = {}  # group -> the minimal cleaning floor, where there is one
     for r in table.rows:
         if r["group"] and r["op"] is None:
+            if "minimal cleaning" in r["case"]:
+                cleaning[r["group"]] = r["ratio"]
+                continue
             key = ("minimal compaction" in r["case"], -r["ratio"])
             floors[r["group"]] = max(floors.get(r["group"], key), key)
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
@@ -313,6 +345,10 @@ def plot(table: Table, series: list, path: Path) -> None:
     a.scatter([r["target_value"] for r in rows], y, marker="|", s=400, color="black", label="target")
     a.scatter([-floors[g][1] for g in labels], y, marker="x", s=60, color="tab:blue",
               label="floor: best minimal compaction (reshape-only where nothing is dropped)")
+    with_cleaning = [i for i, g in enumerate(labels) if g in cleaning]
+    a.scatter([cleaning[labels[i]] for i in with_cleaning], with_cleaning, marker="o", s=40,
+              facecolors="none", edgecolors="tab:purple",
+              label="floor: minimal cleaning (the same rows as the filter)")
     a.axvline(1.0, color="grey", lw=0.8)
     a.set_yticks(y, labels, fontsize=8)
     a.invert_yaxis()
