@@ -115,11 +115,11 @@ def extend_cases(table: Table, kind: str, frac: float, rounds: int) -> None:
         "compact": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=MinimalCompaction(rows)),
         "warm": ReplayBuffer(storage=LazyTensorStorage(capacity),
                              transform=MinimalCompaction(rows, reuse=True)),
-        "cleaning": ReplayBuffer(storage=LazyTensorStorage(capacity),
-                                 transform=MinimalCleaning(reuse=True)),
     }
     if frac:
         check_same_rows(batch)
+        rbs["cleaning"] = ReplayBuffer(storage=LazyTensorStorage(capacity),
+                                       transform=MinimalCleaning(reuse=True))
     calls = {name: (lambda rb=rb: rb.extend(batch)) for name, rb in rbs.items()}
     calls["plain"] = lambda: rbs["plain"].extend(batch.reshape(-1))
     name = {"mujoco": "MuJoCo-like", "atari": "Atari-like"}[kind]
@@ -152,9 +152,11 @@ def check_same_rows(batch, calls: int = 4) -> None:
     filt, floor = AutoresetFilter(), MinimalCleaning(reuse=True)
     for call in range(calls):
         ours, theirs = filt.inv(batch), floor.inv(batch)
-        same = ours.batch_size == theirs.batch_size and sorted(ours.keys(True, True), key=str) == \
-            sorted(theirs.keys(True, True), key=str)
-        if not same or not all(torch.equal(ours[k], theirs[k]) for k in ours.keys(True, True)):
+        keys = sorted(ours.keys(True, True), key=str)
+        same = (ours.batch_size == theirs.batch_size
+                and keys == sorted(theirs.keys(True, True), key=str)
+                and all(torch.equal(ours[k], theirs[k]) for k in keys))
+        if not same:
             raise AssertionError(f"the minimal cleaning floor stores other rows than the filter "
                                  f"(call {call}): it is not a floor")
 
