@@ -122,6 +122,10 @@ class MinimalCompaction(Transform):
     def _inv_call(self, td):
         keep_index = self.keep_index[self._calls % len(self.keep_index)]
         self._calls += 1
+        return self._compact(td, keep_index)
+
+    def _compact(self, td, keep_index):
+        """The rows ``keep_index`` of ``td``, flat (all of them, as views, for None)."""
         n = td.numel()
         out = {}
         for key, value in td.items(include_nested=True, leaves_only=True):
@@ -220,8 +224,7 @@ class MinimalCleaning(MinimalCompaction):
             self._after_reset = np.zeros(n_envs, bool)
         keep, shift, done_pos, done_src, init_pos, self._after_reset = _plan_simple(
             td.get(("next", "done")).numpy().reshape(-1), n_envs, steps, self._after_reset)
-        self.keep_index = [torch.from_numpy(keep)]
-        out = super()._inv_call(td)
+        out = self._compact(td, torch.from_numpy(keep))
         obs = td.get("observation").numpy().reshape(n_envs * steps, -1)
         out.get(("next", "observation")).numpy().reshape(len(keep), -1)[done_pos] = obs[done_src]
         out.get("is_init").numpy().reshape(-1)[init_pos] = True

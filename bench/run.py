@@ -43,7 +43,7 @@ from cleanbuf import AutoresetFilter, _kernels
 HERE = Path(__file__).parent
 
 
-def alternate(calls: dict, rounds: int, sync=lambda: None) -> dict:
+def alternate(calls: dict, rounds: int) -> dict:
     """Times each callable ``rounds`` times, rotating their order every round."""
     for fn in calls.values():  # warm up: storage allocation, numba, caches
         for _ in range(3):
@@ -54,7 +54,6 @@ def alternate(calls: dict, rounds: int, sync=lambda: None) -> dict:
         for name in order[r % len(order):] + order[: r % len(order)]:
             start = time.perf_counter()
             calls[name]()
-            sync()
             times[name].append(time.perf_counter() - start)
     return times
 
