@@ -29,7 +29,7 @@ from cleanbuf._keys import (
     observation_keys,
 )
 from cleanbuf._layout import CallLayout, resolve
-from cleanbuf._move import numpy_view
+from cleanbuf._move import Views
 from cleanbuf._options import Options
 from cleanbuf._patch import as_td, fill_rows, fix_bookkeeping, move, write_next_obs
 from cleanbuf._pool import BufferPool
@@ -129,11 +129,12 @@ class Cleaner:
                 carry.need_init = np.zeros_like(carry.need_init)
             self._carry = carry
             return self._pass_through(moved, layout, done, td.device)
+        views = Views(leaves)
         (code, next_src, released_src, pending, waiting, need_init, shift, counts,
          bad_row) = _kernels.plan(
             n, layout.steps, layout.stream, done, self._joint(done, layout, n_streams),
             _NO_FLAGS if present is None else present, bool(final_of),
-            self._reward_rows(leaves, n), carry.pending, carry.waiting, carry.need_init,
+            self._reward_rows(views, n), carry.pending, carry.waiting, carry.need_init,
             carry.shift, not same_step, obs_only and stitch, same_step and stitch, stitch,
             stitch and (obs_only or not self._in_done_row(layout.kind)),
         )
@@ -158,18 +159,17 @@ class Cleaner:
             patched.update(("next", *k) for k in obs_keys)
         if len(emit_init):
             patched.add(opts.is_init_key)
-        if opts.step_count_key not in leaves or not emit_shift.any():
-            emit_shift = None
-        else:
+        if len(emit_shift) and opts.step_count_key in leaves:
             patched.update((opts.step_count_key, ("next", *opts.step_count_key)))
-        if opts.step_count_key not in leaves or not hold_shift.any():
-            hold_shift = None
-        out, new_held = move(moved, carry.held, rel_slots, emit, hold, n, patched, self._pool)
+        out, new_held = move(moved, views, carry.held, rel_slots, emit, hold, n, patched,
+                             self._pool)
         if stitch:
-            write_next_obs(out, n_rel, leaves, obs_keys, sel, released_src[rel_streams],
+            write_next_obs(out, n_rel, views, obs_keys, sel, released_src[rel_streams],
                            final_of, policy, obs_only)
         fix_bookkeeping(out, n_rel, emit_init, emit_shift, opts.is_init_key, opts.step_count_key)
-        fix_bookkeeping(new_held, 0, hold_init, hold_shift, opts.is_init_key, opts.step_count_key)
+        if new_held:
+            fix_bookkeeping(Views(new_held), 0, hold_init, hold_shift, opts.is_init_key,
+                            opts.step_count_key)
         # Commit: nothing below raises. (The kernel returned fresh carry arrays,
         # so until here the old state was untouched.)
         carry.pending, carry.waiting, carry.need_init, carry.shift = pending, waiting, need_init, shift
@@ -189,7 +189,7 @@ class Cleaner:
         s["lost_rows_dropped"] += n_lost if policy == "drop" else 0
         s["episodes_completed"] += n_done
         s["rows_held"] = len(carry.held_stream)
-        return as_td(out, n_out, td.device)
+        return as_td(out.tensors, n_out, td.device)
 
     def flush(self) -> TensorDictBase:
         """Returns the held rows (flat ``[H]``) and forgets them.
@@ -221,7 +221,7 @@ class Cleaner:
             if obs_only:
                 rows[nk] = torch.zeros_like(rows[k])
             if policy == "nan" and missing.any():
-                fill_rows(rows[nk], np.flatnonzero(missing), float("nan"))
+                fill_rows(Views(rows), nk, np.flatnonzero(missing), float("nan"))
         keep = np.flatnonzero(~missing) if policy == "drop" else np.arange(n_held)
         if len(keep) < n_held:
             idx = torch.from_numpy(keep)
@@ -353,14 +353,14 @@ class Cleaner:
         d = done.reshape(n_streams // group, group, layout.steps)
         return (d & d.all(axis=1, keepdims=True)).reshape(-1)
 
-    def _reward_rows(self, leaves: dict, n_rows: int) -> np.ndarray:
+    def _reward_rows(self, leaves: Views, n_rows: int) -> np.ndarray:
         """Per row, nonzero where the reward is not exactly 0 (for the reset-row check)."""
         key = self.options.reward_key
-        if not self.options.check_reset_rows or key is None or key not in leaves:
+        if not self.options.check_reset_rows or key is None or key not in leaves.tensors:
             return _NO_FLAGS
-        reward = leaves[key]
+        reward = leaves.tensors[key]
         if reward.shape[1:].numel() == 1 and not reward.dtype.is_complex:
-            a = numpy_view(reward)
+            a = leaves[key]
             if a is not None:
                 return a.reshape(n_rows)
         return (reward != 0).reshape(n_rows, -1).any(1).to(torch.uint8).cpu().numpy()

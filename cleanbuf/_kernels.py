@@ -206,15 +206,18 @@ def select_rows(code, next_src, drop_lost):
     """
     n = code.shape[0]
     n_emit = n_hold = n_stitched = n_lost = n_final = n_emit_init = n_hold_init = 0
+    n_emit_shift = n_hold_shift = 0
     for i in range(n):
         c = code[i] & CODE_MASK
         init = (code[i] & INIT_BIT) != 0
         if c == HOLD:
             n_hold += 1
             n_hold_init += init
+            n_hold_shift += (code[i] & SHIFT_BIT) != 0
         elif c != DROP and (c != LOST or not drop_lost):
             n_emit += 1
             n_emit_init += init
+            n_emit_shift += (code[i] & SHIFT_BIT) != 0
             n_stitched += c == STITCHED
             n_lost += c == LOST
             n_final += c == FINAL
@@ -226,8 +229,8 @@ def select_rows(code, next_src, drop_lost):
     final = np.empty(n_final, np.int64)
     emit_init = np.empty(n_emit_init, np.int64)
     hold_init = np.empty(n_hold_init, np.int64)
-    emit_shift = np.empty(n_emit, np.int8)
-    hold_shift = np.empty(n_hold, np.int8)
+    emit_shift = np.empty(n_emit if n_emit_shift else 0, np.int64)
+    hold_shift = np.empty(n_hold if n_hold_shift else 0, np.int64)
     a = b = p = q = f = u = v = 0
     for i in range(n):
         c = code[i] & CODE_MASK
@@ -238,7 +241,8 @@ def select_rows(code, next_src, drop_lost):
                 hold_init[v] = b
                 v += 1
             hold[b] = i
-            hold_shift[b] = sh
+            if n_hold_shift:
+                hold_shift[b] = sh
             b += 1
         elif c != DROP and (c != LOST or not drop_lost):
             if c == STITCHED:
@@ -255,7 +259,8 @@ def select_rows(code, next_src, drop_lost):
                 emit_init[u] = a
                 u += 1
             emit[a] = i
-            emit_shift[a] = sh
+            if n_emit_shift:
+                emit_shift[a] = sh
             a += 1
     return (emit, hold, stitched, stitched_src, lost, final, emit_init, hold_init,
             emit_shift, hold_shift)

@@ -12,12 +12,12 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from cleanbuf._move import RowIndex, gather, numpy_view
+from cleanbuf._move import SMALL_ROW_BYTES, RowIndex, Views, gather
 from cleanbuf._pool import MIN_POOLED_BYTES, BufferPool
 
 
-def move(leaves: dict, held: dict, rel_slots: np.ndarray, emit: np.ndarray, hold: np.ndarray,
-         n_rows: int, patched: set, pool: BufferPool):
+def move(moved: dict, views: Views, held: dict, rel_slots: np.ndarray, emit: np.ndarray,
+         hold: np.ndarray, n_rows: int, patched: set, pool: BufferPool):
     """Gathers the rows to emit (after the released held rows) and the rows to hold.
 
     When a call emits every row in order and releases none, nothing moves:
@@ -25,7 +25,8 @@ def move(leaves: dict, held: dict, rel_slots: np.ndarray, emit: np.ndarray, hold
     which are copied so that the caller's batch is never written.
 
     Args:
-        leaves: the call's flat leaves.
+        moved: the call's flat leaves to move (key -> tensor).
+        views: numpy views of the call's leaves (a superset of ``moved``).
         held: the held rows from earlier calls.
         rel_slots: the held rows released by this call (slots into ``held``).
         emit: the call's rows to emit, in order.
@@ -35,34 +36,45 @@ def move(leaves: dict, held: dict, rel_slots: np.ndarray, emit: np.ndarray, hold
         pool: reusable output buffers.
 
     Returns:
-        ``(out, new_held)``: dicts from key to tensor.
+        ``(out, new_held)``: the output leaves with their numpy views
+        (:class:`Views`), and a dict from key to tensor.
     """
-    out, new_held = {}, {}
+    out, new_held = Views({}), {}
+    tensors = out.tensors
     hold_rows = RowIndex(hold)
     if len(rel_slots) == 0 and len(emit) == n_rows:
-        for k, x in leaves.items():
-            out[k] = x.clone() if k in patched else x
+        for k, x in moved.items():
+            tensors[k] = x.clone() if k in patched else x
     else:
         emit_rows, slots = RowIndex(emit), RowIndex(rel_slots)
         size = len(rel_slots) + len(emit)
-        for k, x in leaves.items():
-            head = held[k].index_select(0, slots.on(held[k].device)) if len(slots) else None
-            buf = None
+        for k, x in moved.items():
             if x.nbytes >= MIN_POOLED_BYTES:
                 buf = pool.take(k, (size, *x.shape[1:]), x.dtype, x.device)
-            out[k] = gather(x, emit_rows, head, buf)
+            else:
+                buf = None
+                a = None if len(slots) else views[k]
+                if a is not None and a.nbytes <= SMALL_ROW_BYTES * n_rows:
+                    # Small rows on the CPU: numpy's take (see _move), whose
+                    # result is kept as the output's numpy view for the patches.
+                    out[k] = a = np.take(a, emit, axis=0)
+                    tensors[k] = torch.from_numpy(a)
+                    continue
+            head = held[k].index_select(0, slots.on(held[k].device)) if len(slots) else None
+            tensors[k] = gather(x, emit_rows, head, buf)
     if len(hold_rows):
-        for k, x in leaves.items():
+        for k, x in moved.items():
             new_held[k] = gather(x, hold_rows)
     return out, new_held
 
 
-def write_next_obs(out, n_rel, leaves, obs_keys, sel, released_src, final_of, policy, obs_only):
+def write_next_obs(out: Views, n_rel, leaves: Views, obs_keys, sel, released_src, final_of,
+                   policy, obs_only):
     """Writes ``("next", k)`` for the output rows whose next observation this call knows.
 
     Args:
-        out: the output leaves (``out[k]`` holds the released held rows
-            first, then the emitted rows).
+        out: the output leaves (``out.tensors[k]`` holds the released held
+            rows first, then the emitted rows).
         n_rel: how many released held rows come first.
         leaves: the call's flat leaves (the sources).
         obs_keys: the observation keys.
@@ -78,37 +90,36 @@ def write_next_obs(out, n_rel, leaves, obs_keys, sel, released_src, final_of, po
     for k in obs_keys:
         nk = ("next", *k)
         if obs_only:
-            out[nk] = torch.empty_like(out[k])
-        dst = out[nk]
+            out.tensors[nk] = torch.empty_like(out.tensors[k])
         if len(stitched):
-            set_rows(dst, n_rel + stitched, leaves[k], stitched_src)
+            set_rows(out, nk, n_rel + stitched, leaves, k, stitched_src)
         if n_rel:
-            set_rows(dst, np.arange(n_rel), leaves[k], released_src)
+            set_rows(out, nk, np.arange(n_rel), leaves, k, released_src)
         if len(final):
-            set_rows(dst, n_rel + final, leaves[final_of[k]], emit[final])
+            set_rows(out, nk, n_rel + final, leaves, final_of[k], emit[final])
         if len(lost):
             if policy == "nan":
-                fill_rows(dst, n_rel + lost, math.nan)
+                fill_rows(out, nk, n_rel + lost, math.nan)
             elif obs_only:  # "keep": the producer left nothing; zeros, as TorchRL fills
-                fill_rows(dst, n_rel + lost, 0)
+                fill_rows(out, nk, n_rel + lost, 0)
 
 
-def fix_bookkeeping(rows, offset, init_pos, row_shift, is_init_key, step_count_key) -> None:
+def fix_bookkeeping(rows: Views, offset, init_pos, row_shift, is_init_key, step_count_key) -> None:
     """Sets ``is_init`` at ``offset + init_pos`` and subtracts ``row_shift`` from
     the step counts of rows ``offset:``, where those keys exist.
 
-    ``row_shift`` is int8 per row, or None when no row shifts."""
-    if len(init_pos) and is_init_key in rows:
-        fill_rows(rows[is_init_key], offset + init_pos, True)
-    if row_shift is None:
+    ``row_shift`` is int64 per row, or empty when no row shifts."""
+    if len(init_pos) and is_init_key in rows.tensors:
+        fill_rows(rows, is_init_key, offset + init_pos, True)
+    if not len(row_shift):
         return
     end = offset + len(row_shift)
     for key in (step_count_key, ("next", *step_count_key)):
-        x = rows.get(key)
+        x = rows.tensors.get(key)
         if x is None:
             continue
         shift = row_shift.reshape(-1, *[1] * (x.dim() - 1))
-        a = numpy_view(x)
+        a = rows[key]
         if a is not None:
             a = a[offset:end]
             np.subtract(a, shift, out=a, casting="unsafe")
@@ -116,31 +127,40 @@ def fix_bookkeeping(rows, offset, init_pos, row_shift, is_init_key, step_count_k
             x[offset:end] -= torch.from_numpy(shift).to(x.device, x.dtype)
 
 
-def set_rows(dst: torch.Tensor, pos: np.ndarray, src: torch.Tensor, rows: np.ndarray) -> None:
-    """``dst[pos] = src[rows]``, on ``dst``'s device.
+def set_rows(dst: Views, dst_key, pos: np.ndarray, src: Views, src_key, rows: np.ndarray) -> None:
+    """``dst[dst_key][pos] = src[src_key][rows]``, on the destination's device.
 
     Examples:
-        >>> dst = torch.zeros(3)
-        >>> set_rows(dst, np.array([0, 2]), torch.tensor([5.0, 6.0, 7.0]), np.array([2, 1]))
-        >>> dst.tolist()
+        >>> dst, src = Views({"a": torch.zeros(3)}), Views({"b": torch.tensor([5.0, 6.0, 7.0])})
+        >>> set_rows(dst, "a", np.array([0, 2]), src, "b", np.array([2, 1]))
+        >>> dst.tensors["a"].tolist()
         [7.0, 0.0, 6.0]
     """
-    d, s = numpy_view(dst), numpy_view(src)
+    d, s = dst[dst_key], src[src_key]
     if d is not None and s is not None:
         d[pos] = s[rows]
         return
-    dst[torch.from_numpy(pos).to(dst.device)] = src.index_select(
-        0, torch.from_numpy(rows).to(src.device)
-    ).to(dst.device)
+    d, s = dst.tensors[dst_key], src.tensors[src_key]
+    d[torch.from_numpy(pos).to(d.device)] = s.index_select(
+        0, torch.from_numpy(rows).to(s.device)
+    ).to(d.device)
 
 
-def fill_rows(dst: torch.Tensor, pos: np.ndarray, value) -> None:
-    """``dst[pos] = value``."""
-    d = numpy_view(dst)
+def fill_rows(dst: Views, key, pos: np.ndarray, value) -> None:
+    """``dst[key][pos] = value``.
+
+    Examples:
+        >>> dst = Views({"a": torch.zeros(3)})
+        >>> fill_rows(dst, "a", np.array([1]), 2.0)
+        >>> dst.tensors["a"].tolist()
+        [0.0, 2.0, 0.0]
+    """
+    d = dst[key]
     if d is not None:
         d[pos] = value
     else:
-        dst[torch.from_numpy(pos).to(dst.device)] = value
+        t = dst.tensors[key]
+        t[torch.from_numpy(pos).to(t.device)] = value
 
 
 def as_td(leaves: dict, n_rows: int, device=None) -> TensorDictBase:
