@@ -25,7 +25,7 @@ from cleanbuf._keys import (
     check_same_layout,
     done_flags,
     final_entries,
-    flat_leaves,
+    batch_leaves,
     observation_keys,
 )
 from cleanbuf._layout import CallLayout, resolve
@@ -103,21 +103,24 @@ class Cleaner:
                 "for dicts of arrays."
             )
         layout = self._layout(td)
-        leaves = flat_leaves(td, layout.n_rows)
-        n = layout.n_rows
-        done = done_flags(leaves, opts.done_key, n)
+        leaves = batch_leaves(td)  # as stored; read as rows through views
+        n, bd = layout.n_rows, td.batch_dims
+        views = Views(leaves, bd)
+        done = done_flags(leaves, opts.done_key, n, bd)
         if opts.mode == "disabled":
-            return self._pass_through(leaves, layout, done, td.device)
+            return self._pass_through(views, leaves, layout, done, td.device)
         obs_keys, obs_only = self._observation_keys(leaves)
         same_step = opts.mode == "same_step"
         stitch = not (obs_only and opts.compact)
         final_of, present, entry_keys = (
-            final_entries(leaves, opts.final_obs_key, obs_keys, n) if same_step else ({}, None, set())
+            final_entries(leaves, opts.final_obs_key, obs_keys, n, bd)
+            if same_step
+            else ({}, None, set())
         )
         moved = leaves
         if entry_keys and not opts.keep_final_obs:
             moved = {k: v for k, v in leaves.items() if k not in entry_keys}
-        self._check_held_schema(moved)
+        self._check_held_schema(moved, bd)
         n_streams = layout.n_streams
         carry = self._carry.grown(n_streams) if n_streams > len(self._carry.pending) else self._carry
         if not (obs_only and stitch) and self._nothing_to_do(carry, done, leaves):
@@ -128,8 +131,7 @@ class Cleaner:
             if carry.need_init.any():
                 carry.need_init = np.zeros_like(carry.need_init)
             self._carry = carry
-            return self._pass_through(moved, layout, done, td.device)
-        views = Views(leaves)
+            return self._pass_through(views, moved, layout, done, td.device)
         (code, next_src, released_src, pending, waiting, need_init, shift, counts,
          bad_row) = _kernels.plan(
             n, layout.steps, layout.stream, done, self._joint(done, layout, n_streams),
@@ -321,7 +323,7 @@ class Cleaner:
             c.stream_ids = np.concatenate([old, layout.new_stream_ids])
         c.layout_kind, c.stream_shape = layout.kind, layout.stream_shape
 
-    def _check_held_schema(self, leaves: dict) -> None:
+    def _check_held_schema(self, leaves: dict, batch_dims: int) -> None:
         held = self._carry.held
         if not len(self._carry.held_stream):
             return
@@ -333,11 +335,11 @@ class Cleaner:
             )
         for k, v in leaves.items():
             h = held[k]
-            if h.dtype != v.dtype or h.shape[1:] != v.shape[1:]:
+            if h.dtype != v.dtype or h.shape[1:] != v.shape[batch_dims:]:
                 raise InputError(
                     f"key {_fmt(k)} changed while rows are held: held rows have shape "
                     f"{list(h.shape[1:])} and dtype {h.dtype} per row, this batch has "
-                    f"{list(v.shape[1:])} and {v.dtype}. Call flush() before changing it."
+                    f"{list(v.shape[batch_dims:])} and {v.dtype}. Call flush() before changing it."
                 )
 
     def _joint(self, done: np.ndarray, layout: CallLayout, n_streams: int) -> np.ndarray:
@@ -359,7 +361,7 @@ class Cleaner:
         if not self.options.check_reset_rows or key is None or key not in leaves.tensors:
             return _NO_FLAGS
         reward = leaves.tensors[key]
-        if reward.shape[1:].numel() == 1 and not reward.dtype.is_complex:
+        if reward.shape[leaves.batch_dims:].numel() == 1 and not reward.dtype.is_complex:
             a = leaves[key]
             if a is not None:
                 return a.reshape(n_rows)
@@ -422,14 +424,14 @@ class Cleaner:
             )
         return policy or "nan"
 
-    def _pass_through(self, leaves, layout, done, device) -> TensorDictBase:
-        """Every row as it came (views of the batch): disabled mode, or a call
-        with nothing to clean."""
+    def _pass_through(self, views: Views, keys, layout, done, device) -> TensorDictBase:
+        """Every row of ``keys`` as it came (views of the batch): disabled mode,
+        or a call with nothing to clean."""
         self._commit_layout(layout)
         self._stats["rows_in"] += layout.n_rows
         self._stats["rows_out"] += layout.n_rows
         self._stats["episodes_completed"] += int(done.sum())
-        return as_td(leaves, layout.n_rows, device)
+        return as_td({k: views.flat(k) for k in keys}, layout.n_rows, device)
 
 
 def _cat_held(held: dict, kept_old: np.ndarray, new_held: dict) -> dict:

@@ -18,16 +18,18 @@ def _fmt(key: tuple) -> str:
     return repr(key[0]) if len(key) == 1 else repr(key)
 
 
-def flat_leaves(td: TensorDictBase, n_rows: int) -> dict:
-    """Returns every tensor leaf of ``td`` reshaped to ``[n_rows, *feature]``.
+def batch_leaves(td: TensorDictBase) -> dict:
+    """Returns every tensor leaf of ``td``, as stored: ``[*batch, *feature]``.
+
+    The leaves are not flattened into rows here: :class:`cleanbuf._move.Views`
+    does that on first use, and only for the leaves that need it.
 
     Args:
         td: the batch.
-        n_rows: the number of rows (the product of the batch size).
 
     Returns:
         A dict from nested key (always a tuple) to tensor, in the batch's key
-        order. Tensors are views where possible.
+        order.
 
     Raises:
         InputError: a leaf is not a tensor.
@@ -35,8 +37,8 @@ def flat_leaves(td: TensorDictBase, n_rows: int) -> dict:
     Examples:
         >>> from tensordict import TensorDict
         >>> td = TensorDict({"a": torch.zeros(2, 3, 4)}, batch_size=[2, 3])
-        >>> flat_leaves(td, 6)[("a",)].shape
-        torch.Size([6, 4])
+        >>> batch_leaves(td)[("a",)].shape
+        torch.Size([2, 3, 4])
     """
     leaves: dict = {}
     if not _walk(td, (), leaves):
@@ -44,7 +46,6 @@ def flat_leaves(td: TensorDictBase, n_rows: int) -> dict:
         leaves = {}
         for key, value in td.items(include_nested=True, leaves_only=True):
             leaves[key if isinstance(key, tuple) else (key,)] = value
-    batch_ndim = td.batch_dims
     for key, value in leaves.items():
         if not isinstance(value, torch.Tensor):
             raise InputError(
@@ -52,8 +53,6 @@ def flat_leaves(td: TensorDictBase, n_rows: int) -> dict:
                 "moves tensor leaves only. Exclude it before the filter "
                 "(data.exclude(key)) or store it as a tensor."
             )
-        if batch_ndim > 1:
-            leaves[key] = value.flatten(0, batch_ndim - 1)
     return leaves
 
 
@@ -71,28 +70,30 @@ def _walk(td: TensorDictBase, prefix: tuple, leaves: dict) -> bool:
     return True
 
 
-def _row_flag(name: str, key: tuple, value: torch.Tensor) -> np.ndarray:
-    """The flags of ``value`` (one bool per row) as numpy, ``[n_rows]`` or ``[n_rows, 1]``."""
+def _row_flag(name: str, key: tuple, value: torch.Tensor, batch_dims: int) -> np.ndarray:
+    """The flags of ``value`` (one bool per row) as numpy, ``[*batch]`` or ``[*batch, 1]``."""
     if value.dtype != torch.bool:
         raise InputError(
             f"{name} key {_fmt(key)} must be torch.bool; got dtype {value.dtype}. "
             f"Fix: data.set({key!r}, data.get({key!r}).bool()) before the filter, or "
             "fix the producer."
         )
-    if value.shape[1:].numel() != 1:
+    if value.shape[batch_dims:].numel() != 1:
         raise InputError(
             f"{name} key {_fmt(key)} must hold one flag per row (shape [*batch] or "
-            f"[*batch, 1]); got trailing shape {list(value.shape[1:])}. Multi-agent done "
-            "flags need one env-level done; pass done_key= with such a key."
+            f"[*batch, 1]); got trailing shape {list(value.shape[batch_dims:])}. "
+            "Multi-agent done flags need one env-level done; pass done_key= with such a key."
         )
     return value.numpy() if value.is_cpu else value.cpu().numpy()
 
 
-def done_flags(leaves: dict, done_key: tuple | None, n_rows: int) -> np.ndarray:
-    """Returns the per-row done flag as a bool numpy array.
+def done_flags(leaves: dict, done_key: tuple | None, n_rows: int,
+               batch_dims: int = 1) -> np.ndarray:
+    """Returns the per-row done flag as a bool numpy array ``[n_rows]``.
 
     The done key is ``done_key`` if given, else ``("next", "done")``, else
-    ``("next", "terminated") | ("next", "truncated")``.
+    ``("next", "terminated") | ("next", "truncated")``. The leaves have
+    ``batch_dims`` leading batch dimensions.
 
     Raises:
         InputError: no done key, or a done key that is not boolean or has
@@ -118,7 +119,7 @@ def done_flags(leaves: dict, done_key: tuple | None, n_rows: int) -> np.ndarray:
         )
     flag = None
     for key in keys:
-        value = _row_flag("done", key, leaves[key]).reshape(n_rows)
+        value = _row_flag("done", key, leaves[key], batch_dims).reshape(n_rows)
         flag = value if flag is None else flag | value
     return flag
 
@@ -132,7 +133,7 @@ def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> 
     needs them declared.
 
     Args:
-        leaves: the batch leaves, from :func:`flat_leaves`.
+        leaves: the batch leaves, from :func:`batch_leaves`.
         declared: user-declared observation keys, or None to discover them.
         bookkeeping: extra root keys that are never observations.
 
@@ -215,7 +216,8 @@ def _common_parent(keys: list) -> tuple:
     return first[:n]
 
 
-def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, n_rows: int):
+def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, n_rows: int,
+                  batch_dims: int = 1):
     """Finds the same-step final-observation entry for each observation key.
 
     The entry is ``declared`` or the first of :data:`FINAL_KEYS` present. It
@@ -232,6 +234,7 @@ def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, n_rows: 
             common names.
         obs_keys: the observation keys.
         n_rows: rows in the batch.
+        batch_dims: the leaves' leading batch dimensions.
 
     Returns:
         ``(final_of, present, entry_keys)``: a dict from observation key to
@@ -290,7 +293,7 @@ def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, n_rows: 
     if mask_key in leaves:
         entry_keys.add(mask_key)
         mask = leaves[mask_key]
-        if mask.dtype != torch.bool or mask.shape[1:].numel() != 1:
+        if mask.dtype != torch.bool or mask.shape[batch_dims:].numel() != 1:
             raise InputError(
                 f"the final-observation mask {_fmt(mask_key)} must be one torch.bool per "
                 f"row; got dtype {mask.dtype} and shape {list(mask.shape)}."

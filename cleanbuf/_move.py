@@ -17,6 +17,8 @@ CPU; on a CUDA device the rows never leave it.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -43,29 +45,49 @@ def numpy_view(t: torch.Tensor) -> np.ndarray | None:
 
 
 class Views(dict):
-    """Tensors by key (``tensors``) and, on first use, their numpy views.
+    """A call's tensors by key, read as rows: flat tensors and numpy views, each
+    made once, on first use.
 
-    ``Tensor.numpy()`` costs about a microsecond, and a call reads some
-    leaves several times (to move them, to patch them): each view is made
-    once. A view is None where :func:`numpy_view` gives none.
+    A batch ``[*B, ...]`` is read as rows ``[prod(B), ...]``. Flattening a
+    tensor costs about a microsecond, and so does ``Tensor.numpy()``; a call
+    reads some leaves several times (to move them, to patch them) and most
+    leaves only as numpy (small rows move with ``np.take``), so each view is
+    made once, and a leaf read only as numpy is never flattened by torch.
+    ``views[key]`` is the numpy view of the rows (None where
+    :func:`numpy_view` gives none); :meth:`flat` is the tensor of rows.
 
     Args:
-        tensors: key -> tensor.
+        tensors: key -> tensor, with ``batch_dims`` leading batch dimensions.
+        batch_dims: how many leading dimensions make up a row index.
 
     Examples:
-        >>> views = Views({"a": torch.zeros(2)})
-        >>> views["a"].tolist()
-        [0.0, 0.0]
-        >>> views.tensors["a"] is views.tensors["a"]
+        >>> views = Views({"a": torch.arange(6.0).reshape(2, 3)}, batch_dims=2)
+        >>> views["a"].shape, views.flat("a").shape
+        ((6,), torch.Size([6]))
+        >>> views["a"] is views["a"]
         True
     """
 
-    def __init__(self, tensors: dict):
+    def __init__(self, tensors: dict, batch_dims: int = 1):
         super().__init__()
         self.tensors = tensors
+        self.batch_dims = batch_dims
+        self._flat = tensors if batch_dims == 1 else {}
+
+    def flat(self, key) -> torch.Tensor:
+        """``tensors[key]`` with its batch dimensions flattened into one (a view
+        where possible)."""
+        x = self._flat.get(key)
+        if x is None:
+            x = self._flat[key] = self.tensors[key].flatten(0, self.batch_dims - 1)
+        return x
 
     def __missing__(self, key):
-        a = self[key] = numpy_view(self.tensors[key])
+        a = numpy_view(self.tensors[key])
+        if a is not None and self.batch_dims != 1:
+            d = self.batch_dims
+            a = a.reshape((math.prod(a.shape[:d]), *a.shape[d:]))
+        self[key] = a
         return a
 
 

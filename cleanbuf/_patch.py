@@ -25,8 +25,8 @@ def move(moved: dict, views: Views, held: dict, rel_slots: np.ndarray, emit: np.
     which are copied so that the caller's batch is never written.
 
     Args:
-        moved: the call's flat leaves to move (key -> tensor).
-        views: numpy views of the call's leaves (a superset of ``moved``).
+        moved: the call's leaves to move (key -> tensor, as in the batch).
+        views: the call's leaves as rows (a superset of ``moved``).
         held: the held rows from earlier calls.
         rel_slots: the held rows released by this call (slots into ``held``).
         emit: the call's rows to emit, in order.
@@ -43,14 +43,16 @@ def move(moved: dict, views: Views, held: dict, rel_slots: np.ndarray, emit: np.
     tensors = out.tensors
     hold_rows = RowIndex(hold)
     if len(rel_slots) == 0 and len(emit) == n_rows:
-        for k, x in moved.items():
+        for k in moved:
+            x = views.flat(k)
             tensors[k] = x.clone() if k in patched else x
     else:
         emit_rows, slots = RowIndex(emit), RowIndex(rel_slots)
         size = len(rel_slots) + len(emit)
         for k, x in moved.items():
             if x.nbytes >= MIN_POOLED_BYTES:
-                buf = pool.take(k, (size, *x.shape[1:]), x.dtype, x.device)
+                feature = x.shape[views.batch_dims:]
+                buf = pool.take(k, (size, *feature), x.dtype, x.device)
             else:
                 buf = None
                 a = None if len(slots) else views[k]
@@ -61,10 +63,10 @@ def move(moved: dict, views: Views, held: dict, rel_slots: np.ndarray, emit: np.
                     tensors[k] = torch.from_numpy(a)
                     continue
             head = held[k].index_select(0, slots.on(held[k].device)) if len(slots) else None
-            tensors[k] = gather(x, emit_rows, head, buf)
+            tensors[k] = gather(views.flat(k), emit_rows, head, buf)
     if len(hold_rows):
-        for k, x in moved.items():
-            new_held[k] = gather(x, hold_rows)
+        for k in moved:
+            new_held[k] = gather(views.flat(k), hold_rows)
     return out, new_held
 
 
@@ -140,7 +142,7 @@ def set_rows(dst: Views, dst_key, pos: np.ndarray, src: Views, src_key, rows: np
     if d is not None and s is not None:
         d[pos] = s[rows]
         return
-    d, s = dst.tensors[dst_key], src.tensors[src_key]
+    d, s = dst.flat(dst_key), src.flat(src_key)
     d[torch.from_numpy(pos).to(d.device)] = s.index_select(
         0, torch.from_numpy(rows).to(s.device)
     ).to(d.device)
@@ -159,7 +161,7 @@ def fill_rows(dst: Views, key, pos: np.ndarray, value) -> None:
     if d is not None:
         d[pos] = value
     else:
-        t = dst.tensors[key]
+        t = dst.flat(key)
         t[torch.from_numpy(pos).to(t.device)] = value
 
 

@@ -109,7 +109,7 @@ def test_observation_and_next_observation_shapes_differ():
     filt, rb, rest = _primed(observation_keys=["observation"])
     bad = next_step_batch(2, 12, 1)
     bad.set(("next", "observation"), torch.zeros(2, 12, 3))
-    assert_rejected(filt, rb, bad, InputError, "'observation'", "[24, 1]", "[24, 3]", then=rest)
+    assert_rejected(filt, rb, bad, InputError, "'observation'", "[2, 12, 1]", "[2, 12, 3]", then=rest)
 
 
 def test_stream_count_changes_between_calls():
@@ -257,7 +257,7 @@ def test_final_entry_of_another_shape():
     filt, rb = _same_step_primed()
     bad = same_step_batch(2, 12, 1)
     bad.set(("next", "final_obs"), torch.zeros(2, 12, 5))
-    assert_rejected(filt, rb, bad, InputError, "('next', 'final_obs')", "[24, 5]", "[24, 1]")
+    assert_rejected(filt, rb, bad, InputError, "('next', 'final_obs')", "[2, 12, 5]", "[2, 12, 1]")
 
 
 def test_observation_keys_partly_observation_only():
