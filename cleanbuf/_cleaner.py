@@ -105,7 +105,7 @@ class Cleaner:
         layout = self._layout(td)
         leaves = batch_leaves(td)  # as stored; read as rows through views
         n, bd = layout.n_rows, td.batch_dims
-        views = Views(leaves, bd)
+        views = Views(leaves, bd, n)
         done = done_flags(leaves, opts.done_key, n, bd)
         if opts.mode == "disabled":
             return self._pass_through(views, leaves, layout, done, td.device)

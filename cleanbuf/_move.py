@@ -17,8 +17,6 @@ CPU; on a CUDA device the rows never leave it.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -59,19 +57,22 @@ class Views(dict):
     Args:
         tensors: key -> tensor, with ``batch_dims`` leading batch dimensions.
         batch_dims: how many leading dimensions make up a row index.
+        n_rows: the product of those dimensions (needed when ``batch_dims``
+            is not 1).
 
     Examples:
-        >>> views = Views({"a": torch.arange(6.0).reshape(2, 3)}, batch_dims=2)
+        >>> views = Views({"a": torch.arange(6.0).reshape(2, 3)}, batch_dims=2, n_rows=6)
         >>> views["a"].shape, views.flat("a").shape
         ((6,), torch.Size([6]))
         >>> views["a"] is views["a"]
         True
     """
 
-    def __init__(self, tensors: dict, batch_dims: int = 1):
+    def __init__(self, tensors: dict, batch_dims: int = 1, n_rows: int = 0):
         super().__init__()
         self.tensors = tensors
         self.batch_dims = batch_dims
+        self._rows = (n_rows,)
         self._flat = tensors if batch_dims == 1 else {}
 
     def flat(self, key) -> torch.Tensor:
@@ -85,8 +86,7 @@ class Views(dict):
     def __missing__(self, key):
         a = numpy_view(self.tensors[key])
         if a is not None and self.batch_dims != 1:
-            d = self.batch_dims
-            a = a.reshape((math.prod(a.shape[:d]), *a.shape[d:]))
+            a = a.reshape(self._rows + a.shape[self.batch_dims:])
         self[key] = a
         return a
 
