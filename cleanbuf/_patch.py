@@ -78,7 +78,7 @@ def write_next_obs(out: Views, n_rel, leaves: Views, obs_keys, sel, released_src
         out: the output leaves (``out.tensors[k]`` holds the released held
             rows first, then the emitted rows).
         n_rel: how many released held rows come first.
-        leaves: the call's flat leaves (the sources).
+        leaves: the call's leaves as rows (the sources).
         obs_keys: the observation keys.
         sel: the output of ``_kernels.select_rows``.
         released_src: per released held row, the row of this call that holds
@@ -89,21 +89,24 @@ def write_next_obs(out: Views, n_rel, leaves: Views, obs_keys, sel, released_src
             output row is then written).
     """
     emit, stitched, stitched_src, lost, final = sel[0], sel[2], sel[3], sel[4], sel[5]
+    final_src = emit[final]  # the rows whose final entries hold their next observations
+    if n_rel:  # output positions: the released held rows come first
+        stitched, lost, final = n_rel + stitched, n_rel + lost, n_rel + final
     for k in obs_keys:
         nk = ("next", *k)
         if obs_only:
             out.tensors[nk] = torch.empty_like(out.tensors[k])
         if len(stitched):
-            set_rows(out, nk, n_rel + stitched, leaves, k, stitched_src)
+            set_rows(out, nk, stitched, leaves, k, stitched_src)
         if n_rel:
             set_rows(out, nk, np.arange(n_rel), leaves, k, released_src)
         if len(final):
-            set_rows(out, nk, n_rel + final, leaves, final_of[k], emit[final])
+            set_rows(out, nk, final, leaves, final_of[k], final_src)
         if len(lost):
             if policy == "nan":
-                fill_rows(out, nk, n_rel + lost, math.nan)
+                fill_rows(out, nk, lost, math.nan)
             elif obs_only:  # "keep": the producer left nothing; zeros, as TorchRL fills
-                fill_rows(out, nk, n_rel + lost, 0)
+                fill_rows(out, nk, lost, 0)
 
 
 def fix_bookkeeping(rows: Views, offset, init_pos, row_shift, is_init_key, step_count_key) -> None:
@@ -112,20 +115,21 @@ def fix_bookkeeping(rows: Views, offset, init_pos, row_shift, is_init_key, step_
 
     ``row_shift`` is int64 per row, or empty when no row shifts."""
     if len(init_pos) and is_init_key in rows.tensors:
-        fill_rows(rows, is_init_key, offset + init_pos, True)
+        fill_rows(rows, is_init_key, offset + init_pos if offset else init_pos, True)
     if not len(row_shift):
         return
     end = offset + len(row_shift)
     for key in (step_count_key, ("next", *step_count_key)):
-        x = rows.tensors.get(key)
-        if x is None:
+        if key not in rows.tensors:
             continue
-        shift = row_shift.reshape(-1, *[1] * (x.dim() - 1))
         a = rows[key]
         if a is not None:
             a = a[offset:end]
+            shift = row_shift if a.ndim == 1 else row_shift.reshape(-1, *[1] * (a.ndim - 1))
             np.subtract(a, shift, out=a, casting="unsafe")
         else:
+            x = rows.tensors[key]
+            shift = row_shift.reshape(-1, *[1] * (x.dim() - 1))
             x[offset:end] -= torch.from_numpy(shift).to(x.device, x.dtype)
 
 
