@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
 from cleanbuf._errors import InputError
 
@@ -41,18 +41,20 @@ def batch_leaves(td: TensorDictBase) -> dict:
         torch.Size([2, 3, 4])
     """
     leaves: dict = {}
-    if not _walk(td, (), leaves):
-        # Lazy stacks, non-tensor leaves: TensorDict's own (slower) iterator.
-        leaves = {}
-        for key, value in td.items(include_nested=True, leaves_only=True):
-            leaves[key if isinstance(key, tuple) else (key,)] = value
-    for key, value in leaves.items():
+    if _walk(td, (), leaves):
+        return leaves
+    # Lazy stacks, non-tensor leaves: TensorDict's own (slower) iterator, which
+    # yields non-tensor data too (by default it skips it: rows would be lost).
+    leaves = {}
+    for key, value in td.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor):
+        key = key if isinstance(key, tuple) else (key,)
         if not isinstance(value, torch.Tensor):
             raise InputError(
                 f"key {_fmt(key)} holds {type(value).__name__}, not a tensor; cleanbuf "
                 "moves tensor leaves only. Exclude it before the filter "
                 "(data.exclude(key)) or store it as a tensor."
             )
+        leaves[key] = value
     return leaves
 
 

@@ -103,6 +103,17 @@ def test_done_with_several_flags_per_row():
     assert_rejected(filt, rb, bad, InputError, "one flag per row", "[2]", "done_key=", then=rest)
 
 
+def test_non_tensor_entry():
+    """Bug caught: a non-tensor entry (a string in the batch, which
+    TensorDict's leaf iterator skips by default) silently left out of the
+    stored rows."""
+    filt, rb, rest = _primed()
+    bad = rest.clone()
+    bad.set_non_tensor(("info", "name"), "CartPole")
+    assert_rejected(filt, rb, bad, InputError, "('info', 'name')", "not a tensor",
+                    "data.exclude", then=rest)
+
+
 def test_observation_and_next_observation_shapes_differ():
     """Bug caught: re-stitching an observation into a next observation of
     another shape (broadcast or truncated silently)."""
