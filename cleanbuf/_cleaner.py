@@ -161,7 +161,7 @@ class Cleaner:
             patched.update(("next", *k) for k in obs_keys)
         if len(emit_init):
             patched.add(opts.is_init_key)
-        if len(emit_shift) and opts.step_count_key in leaves:
+        if len(emit_shift):  # fix_bookkeeping shifts whichever step counts are present
             patched.update((opts.step_count_key, ("next", *opts.step_count_key)))
         out, new_held = move(moved, views, carry.held, rel_slots, emit, hold, n, patched,
                              self._pool)

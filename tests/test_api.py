@@ -97,6 +97,23 @@ def test_filter_does_not_mutate_the_callers_batch():
     assert out["is_init"].reshape(-1)[0]
 
 
+def test_next_step_count_alone_is_fixed_and_the_batch_untouched():
+    """A batch with ("next", "step_count") but no root "step_count". Bugs
+    caught: the next step counts of an episode that began with a dropped reset
+    row left one too high, or shifted in place in the caller's batch (in the
+    zero-copy path, a call that drops nothing)."""
+    both = next_step_batch(1, 40, 2).exclude("step_count")
+    done = both["next", "done"].reshape(-1).nonzero().flatten().tolist()
+    reset = done[0] + 1
+    first, second = both[:, : reset + 1], both[:, reset + 1 : done[1]]
+    filt = AutoresetFilter("next_step")
+    for batch in (first, second):
+        copy = batch.clone()
+        out = filt.inv(batch)
+        assert (batch == copy).all()
+    assert (out["next", "step_count"].reshape(-1) == torch.arange(1, len(out) + 1)).all()
+
+
 def test_output_declares_the_device_its_rows_are_on():
     """Collector batches come with ``device=None``; the filter's output says
     where its rows are, in the copying path, the zero-copy path and at a
