@@ -77,22 +77,29 @@ def test_reused_buffers_never_overwrite_rows_someone_holds():
     assert (again == first).all()
 
 
-def test_filter_does_not_mutate_the_callers_batch():
-    """Bug caught: is_init / step_count / next observation patched in place
-    in the batch the collector handed over, in the copying path and in the
-    zero-copy path (a call that drops nothing but still fixes the step
-    counts of an episode that began with a reset row in an earlier call)."""
-    both = next_step_batch(1, 40, 2)
+def _second_call_untouched(both):
+    """Extends a fresh filter with ``both`` cut in two: up to the first reset
+    row, then up to the next episode end (a call with no episode end, which
+    moves nothing but fixes step counts). Checks that neither call wrote into
+    the batch it was given; returns the second call's output."""
     done = both["next", "done"].reshape(-1).nonzero().flatten().tolist()
     reset = done[0] + 1
     assert done[1] > reset + 1
-    # The second call has no episode end: it moves nothing, patches step counts.
     first, second = both[:, : reset + 1], both[:, reset + 1 : done[1]]
     filt = AutoresetFilter("next_step")
     for batch in (first, second):
         copy = batch.clone()
         out = filt.inv(batch)
         assert (batch == copy).all()
+    return out
+
+
+def test_filter_does_not_mutate_the_callers_batch():
+    """Bug caught: is_init / step_count / next observation patched in place
+    in the batch the collector handed over, in the copying path and in the
+    zero-copy path (a call that drops nothing but still fixes the step
+    counts of an episode that began with a reset row in an earlier call)."""
+    out = _second_call_untouched(next_step_batch(1, 40, 2))
     assert (out["step_count"].reshape(-1) == torch.arange(len(out))).all()  # stored one too high
     assert out["is_init"].reshape(-1)[0]
 
@@ -102,15 +109,7 @@ def test_next_step_count_alone_is_fixed_and_the_batch_untouched():
     caught: the next step counts of an episode that began with a dropped reset
     row left one too high, or shifted in place in the caller's batch (in the
     zero-copy path, a call that drops nothing)."""
-    both = next_step_batch(1, 40, 2).exclude("step_count")
-    done = both["next", "done"].reshape(-1).nonzero().flatten().tolist()
-    reset = done[0] + 1
-    first, second = both[:, : reset + 1], both[:, reset + 1 : done[1]]
-    filt = AutoresetFilter("next_step")
-    for batch in (first, second):
-        copy = batch.clone()
-        out = filt.inv(batch)
-        assert (batch == copy).all()
+    out = _second_call_untouched(next_step_batch(1, 40, 2).exclude("step_count"))
     assert (out["next", "step_count"].reshape(-1) == torch.arange(1, len(out) + 1)).all()
 
 
