@@ -250,7 +250,8 @@ def step_case(table: Table, rounds: int) -> None:
 
 
 def kernel_scaling(table: Table, quick: bool) -> list:
-    """Rows/s of the planning kernel on flags only (done, reward), 8 streams."""
+    """Rows/s of the planning kernel (plan and select, as the cleaner calls it) on flags
+    only (done, reward), 8 streams."""
     series = []
     sizes = [10**3, 10**4, 10**5, 10**6, 10**7]
     for n in sizes:
@@ -259,15 +260,15 @@ def kernel_scaling(table: Table, quick: bool) -> list:
         reward = np.ones(n, np.float32)
         reward[1::50] = 0
         none = np.zeros(0, bool)
-        carry = (np.zeros(8, bool), np.zeros(8, bool), np.zeros(8, bool), np.zeros(8, np.int64))
-        args = (n, n // 8, np.zeros(0, np.int64), done, none, none, False, reward, *carry,
-                True, False, False, True, True)
-        _kernels.plan(*args)
+        carry = np.zeros((4, 8), np.int64)
+        args = (n, n // 8, np.zeros(0, np.int64), done, none, none, False, reward, carry,
+                True, False, False, True, True, False)
+        _kernels.plan_rows(*args)
         reps = max(5, (10**6 if quick else 10**7) // n)
         ts = []
         for _ in range(reps):
             t = time.perf_counter()
-            _kernels.plan(*args)
+            _kernels.plan_rows(*args)
             ts.append(time.perf_counter() - t)
         series.append({"rows": n, "rows_per_s": n / statistics.median(ts),
                        "ns_per_row": statistics.median(ts) / n * 1e9})

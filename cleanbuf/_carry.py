@@ -6,6 +6,9 @@ whether the next kept row starts an auto-reset episode (``need_init``), the
 step-count shift of the current episode (``shift``); the held rows
 themselves; and, for stream-key data, the stream id of each slot. All of it
 is small (a few values per stream and at most one row per stream).
+
+The four per-stream values live in one ``int64[4, S]`` array, the form the
+planning kernel reads and returns (one array to pass instead of four).
 """
 
 from __future__ import annotations
@@ -17,40 +20,67 @@ import numpy as np
 import torch
 
 from cleanbuf._errors import InputError
+from cleanbuf._kernels import NEED_INIT, PENDING, SHIFT, WAITING
 
 STATE_VERSION = 2
-_PER_STREAM = {"pending": np.bool_, "waiting": np.bool_, "need_init": np.bool_, "shift": np.int64}
+# The per-stream values: their row in Carry.per_stream, and their dtype in a state dict.
+_PER_STREAM = {
+    "pending": (PENDING, np.bool_),
+    "waiting": (WAITING, np.bool_),
+    "need_init": (NEED_INIT, np.bool_),
+    "shift": (SHIFT, np.int64),
+}
 
 
 def _empty(dtype):
     return dataclasses.field(default_factory=lambda: np.zeros(0, dtype))
 
 
+def no_streams() -> np.ndarray:
+    """The per-stream state before any stream is seen."""
+    return np.zeros((len(_PER_STREAM), 0), np.int64)
+
+
 @dataclasses.dataclass
 class Carry:
-    """Per-stream state carried between calls."""
+    """Per-stream state carried between calls.
+
+    ``per_stream`` is ``int64[4, S]``: per stream, whether a reset row comes
+    next (row ``PENDING``), whether its held row waits (``WAITING``), whether
+    the next kept row starts an auto-reset episode (``NEED_INIT``), and the
+    step-count shift of its episode (``SHIFT``). Callers replace the array
+    and never write into it.
+
+    Examples:
+        >>> carry = Carry().grown(2)
+        >>> carry.per_stream.shape, carry.n_streams
+        ((4, 2), 2)
+        >>> Carry.from_state_dict(carry.state_dict()).per_stream.tolist() == carry.per_stream.tolist()
+        True
+    """
 
     stream_shape: tuple | None = None
     layout_kind: str | None = None
     stream_ids: np.ndarray | None = None
-    pending: np.ndarray = _empty(np.bool_)
-    waiting: np.ndarray = _empty(np.bool_)
-    need_init: np.ndarray = _empty(np.bool_)
-    shift: np.ndarray = _empty(np.int64)
+    per_stream: np.ndarray = dataclasses.field(default_factory=no_streams)
     held: dict = dataclasses.field(default_factory=dict)  # key -> tensor [H, ...]
     held_stream: np.ndarray = _empty(np.int64)
 
+    @property
+    def n_streams(self) -> int:
+        """The streams the state covers."""
+        return self.per_stream.shape[1]
+
     def grown(self, n_streams: int) -> "Carry":
-        """A shallow copy whose per-stream arrays cover ``n_streams`` streams.
+        """A shallow copy whose per-stream state covers ``n_streams`` streams.
 
         Callers replace the copy's arrays and never write into them, so the
         original stays valid until the copy is committed.
         """
         out = copy.copy(self)
-        extra = n_streams - len(self.pending)
+        extra = n_streams - self.n_streams
         if extra > 0:
-            for name, dtype in _PER_STREAM.items():
-                setattr(out, name, np.concatenate([getattr(self, name), np.zeros(extra, dtype)]))
+            out.per_stream = np.concatenate([self.per_stream, np.zeros((len(_PER_STREAM), extra), np.int64)], 1)
         return out
 
     def state_dict(self) -> dict:
@@ -63,8 +93,8 @@ class Carry:
             "held": {k: v.clone() for k, v in self.held.items()},
             "held_stream": torch.from_numpy(self.held_stream.copy()),
         }
-        for name in _PER_STREAM:
-            state[name] = torch.from_numpy(getattr(self, name).copy())
+        for name, (row, dtype) in _PER_STREAM.items():
+            state[name] = torch.from_numpy(self.per_stream[row].astype(dtype))
         return state
 
     @classmethod
@@ -78,11 +108,14 @@ class Carry:
             )
         ids = state["stream_ids"]
         shape = state["stream_shape"]
+        per_stream = np.zeros((len(_PER_STREAM), len(state["pending"])), np.int64)
+        for name, (row, _) in _PER_STREAM.items():
+            per_stream[row] = state[name].numpy()
         return cls(
             stream_shape=None if shape is None else tuple(shape),
             layout_kind=state["layout_kind"],
             stream_ids=None if ids is None else ids.numpy().copy(),
             held={tuple(k): v.clone() for k, v in state["held"].items()},
             held_stream=state["held_stream"].numpy().copy(),
-            **{name: state[name].numpy().copy() for name in _PER_STREAM},
+            per_stream=per_stream,
         )

@@ -28,6 +28,7 @@ from cleanbuf._keys import (
     batch_leaves,
     observation_keys,
 )
+from cleanbuf._kernels import NEED_INIT, PENDING, SHIFT, WAITING, Selection
 from cleanbuf._layout import CallLayout, resolve
 from cleanbuf._move import Views
 from cleanbuf._options import Options
@@ -122,29 +123,29 @@ class Cleaner:
             moved = {k: v for k, v in leaves.items() if k not in entry_keys}
         self._check_held_schema(moved, bd)
         n_streams = layout.n_streams
-        carry = self._carry.grown(n_streams) if n_streams > len(self._carry.pending) else self._carry
+        carry = self._carry.grown(n_streams) if n_streams > self._carry.n_streams else self._carry
         if not (obs_only and stitch) and self._nothing_to_do(carry, done, leaves):
             # No episode end, no row waiting, no fix pending: the rows are clean
             # as they are (views of the batch; nothing is copied). A pending
             # is_init fix can only be left here if the rows have no is_init:
             # it is moot, forget it.
-            if np.count_nonzero(carry.need_init):
-                carry.need_init = np.zeros_like(carry.need_init)
+            if np.count_nonzero(carry.per_stream[NEED_INIT]):
+                carry.per_stream = carry.per_stream.copy()
+                carry.per_stream[NEED_INIT] = 0
             self._carry = carry
             return self._pass_through(views, moved, layout, done, td.device)
-        (code, next_src, released_src, pending, waiting, need_init, shift, counts,
-         bad_row) = _kernels.plan(
+        rows, ends, released_src, per_stream, n_drop, n_lost, n_done, bad_row = _kernels.plan_rows(
             n, layout.steps, layout.stream, done, self._joint(done, layout, n_streams),
             _NO_FLAGS if present is None else present, bool(final_of),
-            self._reward_rows(views, n), carry.pending, carry.waiting, carry.need_init,
-            carry.shift, not same_step, obs_only and stitch, same_step and stitch, stitch,
+            self._reward_rows(views, n), carry.per_stream, not same_step, obs_only and stitch,
+            same_step and stitch, stitch,
             stitch and (obs_only or not self._in_done_row(layout.kind)),
+            opts.on_lost_terminal_obs == "drop",
         )
         if bad_row >= 0:
             self._raise_bad_reset_row(bad_row, done, layout)
-        n_drop, n_lost, n_done = counts.tolist()
         policy = self._lost_policy(obs_keys, leaves, n_lost, final_missing=same_step)
-        sel = _kernels.select_rows(code, next_src, policy == "drop")
+        sel = Selection.unpack(rows, ends)
         emit, hold, stitched, _, lost, final, emit_init, hold_init, emit_shift, hold_shift = sel
         if len(carry.held_stream):
             released = released_src >= 0
@@ -172,9 +173,9 @@ class Cleaner:
         if new_held:
             fix_bookkeeping(Views(new_held), 0, hold_init, hold_shift, opts.is_init_key,
                             opts.step_count_key)
-        # Commit: nothing below raises. (The kernel returned fresh carry arrays,
+        # Commit: nothing below raises. (The kernel returned a fresh carry array,
         # so until here the old state was untouched.)
-        carry.pending, carry.waiting, carry.need_init, carry.shift = pending, waiting, need_init, shift
+        carry.per_stream = per_stream
         if len(carry.held_stream) or len(hold):
             kept_old = released_src[carry.held_stream] < 0
             carry.held = _cat_held(carry.held, kept_old, new_held)
@@ -229,7 +230,9 @@ class Cleaner:
             idx = torch.from_numpy(keep)
             rows = {k: v.index_select(0, idx.to(v.device)) for k, v in rows.items()}
         self._carry.held, self._carry.held_stream = {}, np.zeros(0, np.int64)
-        self._carry.waiting = np.zeros_like(carry.waiting)
+        per_stream = carry.per_stream.copy()
+        per_stream[WAITING] = 0
+        self._carry.per_stream = per_stream
         s = self._stats
         s["rows_out"] += len(keep)
         s["terminal_obs_missing"] += n_terminal
@@ -264,12 +267,12 @@ class Cleaner:
         """True when the call has no episode end, no reset row to drop, no row
         waiting, and no bookkeeping fix that applies to the keys it has."""
         # (count_nonzero: a third of what any() costs on these small arrays)
-        nonzero = np.count_nonzero
-        if nonzero(done) or nonzero(carry.pending) or nonzero(carry.waiting):
+        nonzero, per_stream = np.count_nonzero, carry.per_stream
+        if nonzero(done) or nonzero(per_stream[PENDING]) or nonzero(per_stream[WAITING]):
             return False
-        if nonzero(carry.need_init) and self.options.is_init_key in leaves:
+        if nonzero(per_stream[NEED_INIT]) and self.options.is_init_key in leaves:
             return False
-        return not (self.options.step_count_key in leaves and nonzero(carry.shift))
+        return not (self.options.step_count_key in leaves and nonzero(per_stream[SHIFT]))
 
     def _observation_keys(self, leaves: dict) -> tuple[list, bool]:
         """:func:`observation_keys`, whose key discovery is remembered per key set;

@@ -80,7 +80,7 @@ def write_next_obs(out: Views, n_rel, leaves: Views, obs_keys, sel, released_src
         n_rel: how many released held rows come first.
         leaves: the call's leaves as rows (the sources).
         obs_keys: the observation keys.
-        sel: the output of ``_kernels.select_rows``.
+        sel: the call's :class:`cleanbuf._kernels.Selection`.
         released_src: per released held row, the row of this call that holds
             its next observation.
         final_of: observation key -> final-observation leaf key (same-step).
@@ -88,7 +88,7 @@ def write_next_obs(out: Views, n_rel, leaves: Views, obs_keys, sel, released_src
         obs_only: the data has no ``("next", k)``: create the leaf (every
             output row is then written).
     """
-    emit, stitched, stitched_src, lost, final = sel[0], sel[2], sel[3], sel[4], sel[5]
+    emit, stitched, stitched_src, lost, final = sel.emit, sel.stitched, sel.stitched_src, sel.lost, sel.final
     final_src = emit[final]  # the rows whose final entries hold their next observations
     if n_rel:  # output positions: the released held rows come first
         stitched, lost, final = n_rel + stitched, n_rel + lost, n_rel + final
