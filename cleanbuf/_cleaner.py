@@ -107,7 +107,7 @@ class Cleaner:
         leaves = batch_leaves(td)  # as stored; read as rows through views
         n, bd = layout.n_rows, td.batch_dims
         views = Views(leaves, bd, n)
-        done = done_flags(leaves, opts.done_key, n, bd)
+        done = done_flags(views, opts.done_key)
         if opts.mode == "disabled":
             return self._pass_through(views, leaves, layout, done, td.device)
         obs_keys, obs_only = self._observation_keys(leaves)
@@ -213,7 +213,7 @@ class Cleaner:
             return TensorDict({}, batch_size=[0])
         rows = dict(carry.held)  # ours, forgotten below: patched in place
         obs_keys, obs_only = observation_keys(rows, opts.observation_keys, self._bookkeeping())
-        done = done_flags(rows, opts.done_key, n_held)
+        done = done_flags(Views(rows, 1, n_held), opts.done_key)
         in_done_row = self._in_done_row(carry.layout_kind)
         missing = np.ones(n_held, np.bool_) if obs_only else ~np.full(n_held, in_done_row)
         n_terminal = int((missing & done).sum())
@@ -365,11 +365,10 @@ class Cleaner:
         key = self.options.reward_key
         if not self.options.check_reset_rows or key is None or key not in leaves.tensors:
             return _NO_FLAGS
+        a = leaves[key]
+        if a is not None and a.size == n_rows and a.dtype.kind != "c":
+            return a.reshape(n_rows)
         reward = leaves.tensors[key]
-        if reward.shape[leaves.batch_dims:].numel() == 1 and not reward.dtype.is_complex:
-            a = leaves[key]
-            if a is not None:
-                return a.reshape(n_rows)
         return (reward != 0).reshape(n_rows, -1).any(1).to(torch.uint8).cpu().numpy()
 
     def _raise_bad_reset_row(self, row, done, layout) -> None:

@@ -57,8 +57,9 @@ class Views(dict):
     Args:
         tensors: key -> tensor, with ``batch_dims`` leading batch dimensions.
         batch_dims: how many leading dimensions make up a row index.
-        n_rows: the product of those dimensions (needed when ``batch_dims``
-            is not 1).
+        n_rows: the product of those dimensions (read to shape the numpy
+            rows when ``batch_dims`` is not 1, and by
+            :func:`cleanbuf._keys.done_flags`; 0 where neither happens).
 
     Examples:
         >>> views = Views({"a": torch.arange(6.0).reshape(2, 3)}, batch_dims=2, n_rows=6)
@@ -72,6 +73,7 @@ class Views(dict):
         super().__init__()
         self.tensors = tensors
         self.batch_dims = batch_dims
+        self.n_rows = n_rows
         self._rows = (n_rows,)
         self._flat = tensors if batch_dims == 1 else {}
 
