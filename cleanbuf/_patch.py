@@ -49,14 +49,15 @@ def move(moved: dict, views: Views, held: dict, rel_slots: np.ndarray, emit: np.
     else:
         emit_rows, slots = RowIndex(emit), RowIndex(rel_slots)
         size = len(rel_slots) + len(emit)
+        small = 0 if len(rel_slots) else SMALL_ROW_BYTES * n_rows  # np.take up to this size
         for k, x in moved.items():
             if x.nbytes >= MIN_POOLED_BYTES:
                 feature = x.shape[views.batch_dims:]
                 buf = pool.take(k, (size, *feature), x.dtype, x.device)
             else:
                 buf = None
-                a = None if len(slots) else views[k]
-                if a is not None and a.nbytes <= SMALL_ROW_BYTES * n_rows:
+                a = views[k] if small else None
+                if a is not None and a.nbytes <= small:
                     # Small rows on the CPU: numpy's take (see _move), whose
                     # result is kept as the output's numpy view for the patches.
                     out[k] = a = np.take(a, emit, axis=0)
@@ -88,8 +89,9 @@ def write_next_obs(out: Views, n_rel, leaves: Views, obs_keys, sel, released_src
         obs_only: the data has no ``("next", k)``: create the leaf (every
             output row is then written).
     """
-    emit, stitched, stitched_src, lost, final = sel.emit, sel.stitched, sel.stitched_src, sel.lost, sel.final
-    final_src = emit[final]  # the rows whose final entries hold their next observations
+    stitched, stitched_src, lost, final = sel.stitched, sel.stitched_src, sel.lost, sel.final
+    # The rows whose final entries hold their next observations.
+    final_src = sel.emit[final] if len(final) else final
     if n_rel:  # output positions: the released held rows come first
         stitched, lost, final = n_rel + stitched, n_rel + lost, n_rel + final
     for k in obs_keys:
@@ -113,24 +115,25 @@ def fix_bookkeeping(rows: Views, offset, init_pos, row_shift, is_init_key, step_
     """Sets ``is_init`` at ``offset + init_pos`` and subtracts ``row_shift`` from
     the step counts of rows ``offset:``, where those keys exist.
 
-    ``row_shift`` is int64 per row, or empty when no row shifts."""
+    ``row_shift`` is int64 per row from ``offset`` on (to the last row), or
+    empty when no row shifts."""
     if len(init_pos) and is_init_key in rows.tensors:
         fill_rows(rows, is_init_key, offset + init_pos if offset else init_pos, True)
     if not len(row_shift):
         return
-    end = offset + len(row_shift)
+    shift = row_shift  # reshaped to the counts' dimensions (the same for both, usually)
     for key in (step_count_key, ("next", *step_count_key)):
         if key not in rows.tensors:
             continue
         a = rows[key]
+        x = rows.tensors[key] if a is None else a
+        if shift.ndim != x.ndim:
+            shift = row_shift.reshape((-1,) + (1,) * (x.ndim - 1))
         if a is not None:
-            a = a[offset:end]
-            shift = row_shift if a.ndim == 1 else row_shift.reshape(-1, *[1] * (a.ndim - 1))
+            a = a[offset:]
             np.subtract(a, shift, out=a, casting="unsafe")
         else:
-            x = rows.tensors[key]
-            shift = row_shift.reshape(-1, *[1] * (x.dim() - 1))
-            x[offset:end] -= torch.from_numpy(shift).to(x.device, x.dtype)
+            x[offset:] -= torch.from_numpy(shift).to(x.device, x.dtype)
 
 
 def set_rows(dst: Views, dst_key, pos: np.ndarray, src: Views, src_key, rows: np.ndarray) -> None:
