@@ -249,34 +249,41 @@ def step_case(table: Table, rounds: int) -> None:
          group=what)
 
 
-def kernel_scaling(table: Table, quick: bool) -> list:
-    """Rows/s of the planning kernel (plan and select, as the cleaner calls it) on flags
-    only (done, reward), 8 streams."""
-    series = []
+def kernel_scaling(table: Table, quick: bool) -> dict:
+    """Rows/s of the kernels on flags only (done, reward), 8 streams: the
+    planning scan (``plan``, the target's kernel), and planning with the row
+    selection after it (``plan_rows``, what a call runs), whose index arrays
+    (8 bytes per kept row, twice here) are fresh memory."""
     sizes = [10**3, 10**4, 10**5, 10**6, 10**7]
+    series: dict = {"plan": [], "plan_rows": []}
     for n in sizes:
         done = np.zeros(n, bool)
         done[::50] = True
         reward = np.ones(n, np.float32)
         reward[1::50] = 0
         none = np.zeros(0, bool)
-        carry = np.zeros((4, 8), np.int64)
-        args = (n, n // 8, np.zeros(0, np.int64), done, none, none, False, reward, carry,
-                True, False, False, True, True, False)
-        _kernels.plan_rows(*args)
-        reps = max(5, (10**6 if quick else 10**7) // n)
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            _kernels.plan_rows(*args)
-            ts.append(time.perf_counter() - t)
-        series.append({"rows": n, "rows_per_s": n / statistics.median(ts),
-                       "ns_per_row": statistics.median(ts) / n * 1e9})
-    at6 = next(s for s in series if s["rows"] == 10**6)
-    spread = max(s["ns_per_row"] for s in series[1:]) / min(s["ns_per_row"] for s in series[1:])
-    table.add("planning kernel throughput at 10^6 rows (flags only)", "-",
-              f"{at6['ns_per_row']:.2f} ns/row", at6["rows_per_s"] / 1e6, 200, ">=", unit="M rows/s",
-              note=f"per-row cost varies {spread:.1f}x from 10^4 to 10^7 rows")
+        args = (n, n // 8, np.zeros(0, np.int64), done, none, none, False, reward,
+                np.zeros((4, 8), np.int64), True, False, False, True, True)
+        for name, fn, fn_args in (("plan", _kernels.plan, args),
+                                  ("plan_rows", _kernels.plan_rows, (*args, False))):
+            fn(*fn_args)
+            reps = max(5, (10**6 if quick else 10**7) // n)
+            ts = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                fn(*fn_args)
+                ts.append(time.perf_counter() - t)
+            series[name].append({"rows": n, "rows_per_s": n / statistics.median(ts),
+                                 "ns_per_row": statistics.median(ts) / n * 1e9})
+    for name, case, op in (
+        ("plan", "planning kernel throughput at 10^6 rows (flags only)", ">="),
+        ("plan_rows", "planning and row selection (the kernel call of a write) at 10^6 rows", None),
+    ):
+        at6 = next(s for s in series[name] if s["rows"] == 10**6)
+        spread = (max(s["ns_per_row"] for s in series[name][1:])
+                  / min(s["ns_per_row"] for s in series[name][1:]))
+        table.add(case, "-", f"{at6['ns_per_row']:.2f} ns/row", at6["rows_per_s"] / 1e6, 200, op,
+                  unit="M rows/s", note=f"per-row cost varies {spread:.1f}x from 10^4 to 10^7 rows")
     return series
 
 
@@ -357,11 +364,13 @@ def plot(table: Table, series: list, path: Path) -> None:
     a.set_xlabel("time with filter / plain extend (green: target met)")
     a.set_title("write path cost (lower is better)")
     a.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8)
-    b.loglog([s["rows"] for s in series], [s["rows_per_s"] for s in series], "o-")
+    for name, label in (("plan", "planning (plan)"), ("plan_rows", "planning + row selection")):
+        b.loglog([s["rows"] for s in series[name]], [s["rows_per_s"] for s in series[name]], "o-",
+                 label=label)
     b.axhline(200e6, color="black", ls="--", lw=0.8, label="target at 10^6: 200 M rows/s")
     b.set_xlabel("rows per call")
     b.set_ylabel("rows / s")
-    b.set_title("planning kernel (flags only)")
+    b.set_title("kernels (flags only)")
     b.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
