@@ -1,6 +1,8 @@
 """numba kernels on plain arrays: the planning scan and the row selection.
 
-Nothing here knows about TensorDicts, keys or torch. Validation happens in the
+The cleaner calls both at once through :func:`plan_rows`, whose results come
+packed in a few arrays (each array a kernel returns costs about 0.3 us to
+box). Nothing here knows about TensorDicts, keys or torch. Validation happens in the
 Python callers (``_cleaner.py``) before a kernel runs; the kernels assume
 well-formed input and never raise. They are checked against the row-by-row
 reference cleaner in ``tests/reference.py`` on random streams.
@@ -192,13 +194,9 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, carry, 
     return code, next_src, released_src, carry, n_drop, n_lost, n_done, bad_row
 
 
-# The parts of a selection, in the order select_rows packs them.
-SELECTION = ("emit", "hold", "stitched", "stitched_src", "lost", "final", "emit_init",
-             "hold_init", "emit_shift", "hold_shift")
-
-
 class Selection(NamedTuple):
-    """The rows of one call, as :func:`select_rows` splits them (see there)."""
+    """The rows of one call, as :func:`select_rows` packs them, in this order
+    (see there)."""
 
     emit: np.ndarray
     hold: np.ndarray
@@ -238,17 +236,15 @@ def select_rows(code, next_src, drop_lost):
         drop_lost: drop ``LOST`` rows instead of emitting them.
 
     Returns:
-        ``(rows, ends)``: one int64 array that packs the parts of
-        :data:`SELECTION` one after the other, and the end of each part in
+        ``(rows, ends)``: one int64 array that packs the fields of
+        :class:`Selection` one after the other, and the end of each part in
         it (a tuple of ints; :meth:`Selection.unpack` splits them). The
         parts: row indices to emit and to hold (input order); the positions
         within ``emit`` of ``STITCHED`` rows and their source rows; the
         positions within ``emit`` of ``LOST`` and ``FINAL`` rows; the
         positions within ``emit`` and ``hold`` whose ``is_init`` must be
         set; per emitted and per held row, 1 where its step counts must drop
-        by one (each of these two is empty when no such row shifts). One
-        array instead of ten: each array a kernel returns costs about 0.3 us
-        to box.
+        by one (each of these two is empty when no such row shifts).
     """
     n = code.shape[0]
     n_emit = n_hold = n_stitched = n_lost = n_final = n_emit_init = n_hold_init = 0
