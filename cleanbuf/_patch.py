@@ -51,18 +51,17 @@ def move(moved: dict, views: Views, held: dict, rel_slots: np.ndarray, emit: np.
         size = len(rel_slots) + len(emit)
         small = 0 if len(rel_slots) else SMALL_ROW_BYTES * n_rows  # np.take up to this size
         for k, x in moved.items():
+            a = views[k] if small else None
+            if a is not None and a.nbytes <= small:
+                # Small rows on the CPU: numpy's take (see _move), whose
+                # result is kept as the output's numpy view for the patches.
+                out[k] = a = np.take(a, emit, axis=0)
+                tensors[k] = torch.from_numpy(a)
+                continue
+            buf = None
             if x.nbytes >= MIN_POOLED_BYTES:
                 feature = x.shape[views.batch_dims:]
                 buf = pool.take(k, (size, *feature), x.dtype, x.device)
-            else:
-                buf = None
-                a = views[k] if small else None
-                if a is not None and a.nbytes <= small:
-                    # Small rows on the CPU: numpy's take (see _move), whose
-                    # result is kept as the output's numpy view for the patches.
-                    out[k] = a = np.take(a, emit, axis=0)
-                    tensors[k] = torch.from_numpy(a)
-                    continue
             head = held[k].index_select(0, slots.on(held[k].device)) if len(slots) else None
             tensors[k] = gather(views.flat(k), emit_rows, head, buf)
     if len(hold_rows):
