@@ -50,6 +50,8 @@ STAT_NAMES = (
 
 _NO_FLAGS = np.zeros(0, np.bool_)  # an absent optional per-row array, for the kernel
 _NO_ROWS = np.zeros(0, np.int64)
+# What a call without a final-observation entry has of one (see final_entries).
+_NO_FINAL = ({}, None, frozenset())
 
 
 def _fmt(key: tuple) -> str:
@@ -114,14 +116,13 @@ class Cleaner:
         same_step = opts.mode == "same_step"
         stitch = not (obs_only and opts.compact)
         final_of, present, entry_keys = (
-            final_entries(leaves, opts.final_obs_key, obs_keys, n, bd)
-            if same_step
-            else ({}, None, set())
+            final_entries(leaves, opts.final_obs_key, obs_keys, n, bd) if same_step else _NO_FINAL
         )
         moved = leaves
         if entry_keys and not opts.keep_final_obs:
             moved = {k: v for k, v in leaves.items() if k not in entry_keys}
-        self._check_held_schema(moved, bd)
+        if len(self._carry.held_stream):
+            self._check_held_schema(moved, bd)
         n_streams = layout.n_streams
         carry = self._carry.grown(n_streams) if n_streams > self._carry.n_streams else self._carry
         if not (obs_only and stitch) and self._nothing_to_do(carry, done, leaves):
@@ -135,7 +136,8 @@ class Cleaner:
             self._carry = carry
             return self._pass_through(views, moved, layout, done, td.device)
         rows, ends, released_src, per_stream, n_drop, n_lost, n_done, bad_row = _kernels.plan_rows(
-            n, layout.steps, layout.stream, done, self._joint(done, layout, n_streams),
+            n, layout.steps, layout.stream, done,
+            self._joint(done, layout, n_streams) if opts.joint_reset else _NO_FLAGS,
             _NO_FLAGS if present is None else present, bool(final_of),
             self._reward_rows(views, n), carry.per_stream, not same_step, obs_only and stitch,
             same_step and stitch, stitch,
@@ -329,9 +331,9 @@ class Cleaner:
         c.layout_kind, c.stream_shape = layout.kind, layout.stream_shape
 
     def _check_held_schema(self, leaves: dict, batch_dims: int) -> None:
+        """Raises unless the batch's leaves match the held rows (called while
+        rows are held)."""
         held = self._carry.held
-        if not len(self._carry.held_stream):
-            return
         if set(held) != set(leaves):
             raise InputError(
                 f"the batch keys changed while rows are held: held rows have "
@@ -348,8 +350,8 @@ class Cleaner:
                 )
 
     def _joint(self, done: np.ndarray, layout: CallLayout, n_streams: int) -> np.ndarray:
-        if not self.options.joint_reset:
-            return _NO_FLAGS
+        """Per row, done at a step where its whole reset group is done (with
+        ``joint_reset``)."""
         group = self.options.reset_group_size or n_streams
         if n_streams % group:
             raise LayoutError(

@@ -58,6 +58,9 @@ SHIFT_BIT = 16  # subtract 1 from this row's step counts
 # The rows of the carry state (int64[4, S], see plan).
 PENDING, WAITING, NEED_INIT, SHIFT = range(4)
 
+_NO_ROWS = np.zeros(0, np.int64)
+_NO_ROWS.flags.writeable = False
+
 
 @njit(cache=True, nogil=True)
 def plan(n, steps, stream, done, joint, final_ok, final_default, reward, carry, reset_rows,
@@ -211,7 +214,8 @@ class Selection(NamedTuple):
 
     @classmethod
     def unpack(cls, rows: np.ndarray, ends: tuple) -> "Selection":
-        """Splits the packed rows at ``ends`` (slices: views of ``rows``).
+        """Splits the packed rows at ``ends`` (slices: views of ``rows``; an
+        empty part is one shared read-only empty array, cheaper than a slice).
 
         Examples:
             >>> Selection.unpack(np.arange(3), (2, 3, 3, 3, 3, 3, 3, 3, 3, 3)).hold.tolist()
@@ -220,9 +224,9 @@ class Selection(NamedTuple):
         start = 0
         parts = []
         for end in ends:
-            parts.append(rows[start:end])
+            parts.append(rows[start:end] if end > start else _NO_ROWS)
             start = end
-        return cls(*parts)
+        return tuple.__new__(cls, parts)
 
 
 @njit(cache=True, nogil=True)

@@ -165,6 +165,8 @@ def fill_rows(dst: Views, key, pos: np.ndarray, value) -> None:
     """
     d = dst[key]
     if d is not None:
+        if d.ndim > 1 and d.size == len(d):  # one value per row: numpy's faster 1-D path
+            d = d.reshape(len(d))
         d[pos] = value
     else:
         t = dst.flat(key)
