@@ -209,7 +209,8 @@ def as_td(leaves: dict, n_rows: int, device=None) -> TensorDictBase:
         for part in k[:-1]:
             node = node.setdefault(part, {})
         node[k[-1]] = v
-    return _nest(nested, batch, device)
+    # _new_unsafe builds the sub-TensorDicts of nested dicts itself.
+    return TensorDict._new_unsafe(nested, batch_size=batch, device=device)
 
 
 def common_device(leaves: dict) -> torch.device | None:
@@ -228,8 +229,3 @@ def common_device(leaves: dict) -> torch.device | None:
         elif v.device != device:
             return None
     return device
-
-
-def _nest(tree: dict, batch: torch.Size, device) -> TensorDictBase:
-    source = {k: _nest(v, batch, device) if isinstance(v, dict) else v for k, v in tree.items()}
-    return TensorDict._new_unsafe(source, batch_size=batch, device=device)
