@@ -55,7 +55,8 @@ class Carry:
         >>> carry = Carry().grown(2)
         >>> carry.per_stream.shape, carry.n_streams
         ((4, 2), 2)
-        >>> Carry.from_state_dict(carry.state_dict()).per_stream.tolist() == carry.per_stream.tolist()
+        >>> restored = Carry.from_state_dict(carry.state_dict())
+        >>> restored.per_stream.tolist() == carry.per_stream.tolist()
         True
     """
 
@@ -80,7 +81,8 @@ class Carry:
         out = copy.copy(self)
         extra = n_streams - self.n_streams
         if extra > 0:
-            out.per_stream = np.concatenate([self.per_stream, np.zeros((len(_PER_STREAM), extra), np.int64)], 1)
+            new = np.zeros((len(_PER_STREAM), extra), np.int64)
+            out.per_stream = np.concatenate([self.per_stream, new], axis=1)
         return out
 
     def state_dict(self) -> dict:
