@@ -188,8 +188,8 @@ def recipe_case(table: Table, rounds: int) -> None:
     The recipe returns a list of tuples of numpy views (nothing copied); the
     filter returns the kept rows as contiguous tensors, ready to store. The
     floor row divides the recipe by the minimal compaction (one gather per
-    leaf with a precomputed index, nothing else): no
-    filter that hands the buffer a batch can beat the recipe by more."""
+    leaf with a precomputed index, nothing else): no filter that hands the
+    buffer a batch can beat the recipe by more."""
     for n_envs, steps, reps in ((8, 128, rounds), (64, 1024, max(3, rounds // 20))):
         batch = make_batch("mujoco", 0.02, n_envs=n_envs, steps=steps)
         arrays = [batch[k].transpose(0, 1).numpy() for k in
@@ -330,7 +330,7 @@ def machine() -> dict:
     }
 
 
-def plot(table: Table, series: list, path: Path) -> None:
+def plot(table: Table, series: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
