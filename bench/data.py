@@ -213,10 +213,10 @@ class MinimalCleaning(MinimalCompaction):
     Per call it plans from the done flags in one small numba pass, gathers
     the kept rows as :class:`MinimalCompaction` does (one ``np.take`` or
     ``index_select`` per leaf), and then writes what cleaning must write,
-    with numpy on the fresh rows: each done row's next observation (the observation of its
-    reset row), ``is_init`` on each new episode's first row, and one step
-    less in both step counts of every row of an episode that began with a
-    dropped reset row. Its only state is one flag per env: whether the
+    with numpy on the fresh rows: each done row's next observation (the
+    observation of its reset row), ``is_init`` on each new episode's first
+    row, and one step less in both step counts of every row of an episode
+    that began with a dropped reset row. Its only state is one flag per env: whether the
     episode running at the end of the call began that way.
 
     What it leaves out, which cleanbuf must do: input checks, other layouts
