@@ -125,7 +125,8 @@ class Cleaner:
             self._check_held_schema(moved, bd)
         n_streams = layout.n_streams
         carry = self._carry.grown(n_streams) if n_streams > self._carry.n_streams else self._carry
-        if not (obs_only and stitch) and self._nothing_to_do(carry, done, leaves):
+        if not (obs_only and stitch) and not np.count_nonzero(done) and self._nothing_pending(
+                carry, leaves):
             # No episode end, no row waiting, no fix pending: the rows are clean
             # as they are (views of the batch; nothing is copied). A pending
             # is_init fix can only be left here if the rows have no is_init:
@@ -265,12 +266,13 @@ class Cleaner:
             return self.options.terminal_obs_in_done_row
         return layout_kind != "time_last"
 
-    def _nothing_to_do(self, carry, done: np.ndarray, leaves: dict) -> bool:
-        """True when the call has no episode end, no reset row to drop, no row
-        waiting, and no bookkeeping fix that applies to the keys it has."""
+    def _nothing_pending(self, carry, leaves: dict) -> bool:
+        """True when, in a call without an episode end, there is no reset row
+        to drop, no row waiting, and no bookkeeping fix that applies to the
+        keys the call has."""
         # (count_nonzero: a third of what any() costs on these small arrays)
         nonzero, per_stream = np.count_nonzero, carry.per_stream
-        if nonzero(done) or nonzero(per_stream[PENDING]) or nonzero(per_stream[WAITING]):
+        if nonzero(per_stream[PENDING]) or nonzero(per_stream[WAITING]):
             return False
         if nonzero(per_stream[NEED_INIT]) and self.options.is_init_key in leaves:
             return False

@@ -118,12 +118,9 @@ def done_flags(rows: Views, done_key: tuple | None) -> np.ndarray:
         array([False,  True])
     """
     leaves = rows.tensors
-    if done_key is not None:
-        keys = [done_key]
-    elif ("next", "done") in leaves:
-        keys = [("next", "done")]
-    else:
-        keys = [k for k in DONE_KEYS[1:] if k in leaves]
+    if done_key is None and DONE_KEYS[0] in leaves:  # the common case, first
+        return _row_flags("done", DONE_KEYS[0], rows)
+    keys = [done_key] if done_key is not None else [k for k in DONE_KEYS[1:] if k in leaves]
     missing = [k for k in keys if k not in leaves]
     if not keys or missing:
         wanted = missing or list(DONE_KEYS)
