@@ -76,9 +76,9 @@ def _walk(td: TensorDictBase, prefix: tuple, leaves: dict) -> bool:
 def _row_flags(name: str, key: tuple, rows: Views) -> np.ndarray:
     """The flags of ``rows.tensors[key]`` (one bool per row) as numpy ``[n_rows]``.
 
-    A CPU leaf is read through its numpy view (shared with the rest of the
-    call); the checks there are numpy's, about a microsecond cheaper than
-    torch's."""
+    A CPU leaf is read through its numpy view, which the move of the same
+    leaf reuses, and checked with numpy, which is cheaper than torch's
+    checks; the error messages come from the torch path."""
     a = rows[key]
     n_rows = rows.n_rows
     if a is not None and a.dtype == np.bool_ and a.size == n_rows:
