@@ -166,16 +166,16 @@ class Cleaner:
         if len(emit_init):
             patched.add(opts.is_init_key)
         if len(emit_shift):  # fix_bookkeeping shifts whichever step counts are present
-            patched.update((opts.step_count_key, ("next", *opts.step_count_key)))
+            patched.update(opts.step_count_keys)
         out, new_held = move(moved, views, carry.held, rel_slots, emit, hold, n, patched,
                              self._pool)
         if stitch:
             write_next_obs(out, n_rel, views, obs_keys, sel, released_src[rel_streams],
                            final_of, policy, obs_only)
-        fix_bookkeeping(out, n_rel, emit_init, emit_shift, opts.is_init_key, opts.step_count_key)
+        fix_bookkeeping(out, n_rel, emit_init, emit_shift, opts.is_init_key, opts.step_count_keys)
         if new_held:
             fix_bookkeeping(Views(new_held), 0, hold_init, hold_shift, opts.is_init_key,
-                            opts.step_count_key)
+                            opts.step_count_keys)
         # Commit: nothing below raises. (The kernel returned a fresh carry array,
         # so until here the old state was untouched.)
         carry.per_stream = per_stream
@@ -276,7 +276,9 @@ class Cleaner:
             return False
         if nonzero(per_stream[NEED_INIT]) and self.options.is_init_key in leaves:
             return False
-        return not (self.options.step_count_key in leaves and nonzero(per_stream[SHIFT]))
+        if not nonzero(per_stream[SHIFT]):
+            return True
+        return not any(k in leaves for k in self.options.step_count_keys)
 
     def _observation_keys(self, leaves: dict) -> tuple[list, bool]:
         """:func:`observation_keys`, whose key discovery is remembered per key set;

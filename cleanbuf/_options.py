@@ -82,6 +82,20 @@ class Options:
     keep_final_obs: bool = False
     compact: bool = False
 
+    @property
+    def step_count_keys(self) -> tuple:
+        """The step-count keys to fix: ``step_count_key`` and its ``("next", ...)``
+        twin, or none when ``step_count_key`` is None.
+
+        Examples:
+            >>> Options().step_count_keys
+            (('step_count',), ('next', 'step_count'))
+            >>> Options(step_count_key=None).step_count_keys
+            ()
+        """
+        key = self.step_count_key
+        return () if key is None else (key, ("next", *key))
+
     @classmethod
     def build(cls, mode: Any = "next_step", **kwargs: Any) -> "Options":
         """Validates user options and returns them normalized.

@@ -110,9 +110,9 @@ def write_next_obs(out: Views, n_rel, leaves: Views, obs_keys, sel, released_src
                 fill_rows(out, nk, lost, 0)
 
 
-def fix_bookkeeping(rows: Views, offset, init_pos, row_shift, is_init_key, step_count_key) -> None:
+def fix_bookkeeping(rows: Views, offset, init_pos, row_shift, is_init_key, step_keys) -> None:
     """Sets ``is_init`` at ``offset + init_pos`` and subtracts ``row_shift`` from
-    the step counts of rows ``offset:``, where those keys exist.
+    the step counts (``step_keys``) of rows ``offset:``, where those keys exist.
 
     ``row_shift`` is int64 per row from ``offset`` on (to the last row), or
     empty when no row shifts."""
@@ -121,7 +121,7 @@ def fix_bookkeeping(rows: Views, offset, init_pos, row_shift, is_init_key, step_
     if not len(row_shift):
         return
     shift = row_shift  # reshaped to the counts' dimensions (the same for both, usually)
-    for key in (step_count_key, ("next", *step_count_key)):
+    for key in step_keys:
         if key not in rows.tensors:
             continue
         a = rows[key]

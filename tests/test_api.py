@@ -77,16 +77,17 @@ def test_reused_buffers_never_overwrite_rows_someone_holds():
     assert (again == first).all()
 
 
-def _second_call_untouched(both):
-    """Extends a fresh filter with ``both`` cut in two: up to the first reset
-    row, then up to the next episode end (a call with no episode end, which
-    moves nothing but fixes step counts). Checks that neither call wrote into
-    the batch it was given; returns the second call's output."""
+def _second_call_untouched(both, **options):
+    """Extends a fresh filter (with ``options``) with ``both`` cut in two: up
+    to the first reset row, then up to the next episode end (a call with no
+    episode end, which moves nothing but fixes step counts). Checks that
+    neither call wrote into the batch it was given; returns the second call's
+    output."""
     done = both["next", "done"].reshape(-1).nonzero().flatten().tolist()
     reset = done[0] + 1
     assert done[1] > reset + 1
     first, second = both[:, : reset + 1], both[:, reset + 1 : done[1]]
-    filt = AutoresetFilter("next_step")
+    filt = AutoresetFilter("next_step", **options)
     for batch in (first, second):
         copy = batch.clone()
         out = filt.inv(batch)
@@ -111,6 +112,30 @@ def test_next_step_count_alone_is_fixed_and_the_batch_untouched():
     zero-copy path, a call that drops nothing)."""
     out = _second_call_untouched(next_step_batch(1, 40, 2).exclude("step_count"))
     assert (out["next", "step_count"].reshape(-1) == torch.arange(1, len(out) + 1)).all()
+
+
+def test_next_step_count_alone_without_is_init_is_fixed_in_a_quiet_call():
+    """("next", "step_count") alone and no is_init: the second call has no
+    episode end and no is_init fix pending, only the step shift. Bug caught:
+    such a call judged clean because the root "step_count" was absent, and
+    passed through with its next step counts one too high."""
+    batch = next_step_batch(1, 40, 2).exclude("step_count", "is_init")
+    out = _second_call_untouched(batch)
+    assert (out["next", "step_count"].reshape(-1) == torch.arange(1, len(out) + 1)).all()
+
+
+def test_step_count_key_none_leaves_the_counts_alone():
+    """step_count_key=None, and the second call continues an episode that
+    began with a dropped reset row. Bugs caught: a TypeError (the "next" twin
+    of a None key built as ("next", *None)) as soon as a row needed a shift,
+    and step counts shifted although the user opted out."""
+    batch = next_step_batch(1, 40, 2)
+    out = _second_call_untouched(batch, step_count_key=None)
+    done = batch["next", "done"].reshape(-1).nonzero().flatten().tolist()
+    second = batch[:, done[0] + 2 : done[1]].reshape(-1)
+    assert len(out) == len(second)
+    for key in ("step_count", ("next", "step_count")):
+        assert (out[key] == second[key]).all()
 
 
 def test_output_declares_the_device_its_rows_are_on():
