@@ -28,7 +28,7 @@ from cleanbuf._keys import (
     batch_leaves,
     observation_keys,
 )
-from cleanbuf._kernels import NEED_INIT, PENDING, SHIFT, WAITING, Selection
+from cleanbuf._kernels import NEED_INIT, NO_ROWS, PENDING, SHIFT, WAITING, Selection
 from cleanbuf._layout import CallLayout, resolve
 from cleanbuf._move import Views
 from cleanbuf._options import Options
@@ -49,7 +49,6 @@ STAT_NAMES = (
 
 
 _NO_FLAGS = np.zeros(0, np.bool_)  # an absent optional per-row array, for the kernel
-_NO_ROWS = np.zeros(0, np.int64)
 # What a call without a final-observation entry has of one (see final_entries).
 _NO_FINAL = ({}, None, frozenset())
 
@@ -157,7 +156,7 @@ class Cleaner:
             rel_streams = np.flatnonzero(released & (slot_of >= 0))
             rel_slots = slot_of[rel_streams]
         else:
-            rel_streams = rel_slots = _NO_ROWS
+            rel_streams = rel_slots = NO_ROWS
         n_rel = len(rel_streams)
         patched = set()
         if stitch and not obs_only and (len(stitched) or n_rel or len(final) or

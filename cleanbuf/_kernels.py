@@ -58,8 +58,9 @@ SHIFT_BIT = 16  # subtract 1 from this row's step counts
 # The rows of the carry state (int64[4, S], see plan).
 PENDING, WAITING, NEED_INIT, SHIFT = range(4)
 
-_NO_ROWS = np.zeros(0, np.int64)
-_NO_ROWS.flags.writeable = False
+# An empty row index, shared (read-only) wherever a call has no such rows.
+NO_ROWS = np.zeros(0, np.int64)
+NO_ROWS.flags.writeable = False
 
 
 @njit(cache=True, nogil=True)
@@ -224,7 +225,7 @@ class Selection(NamedTuple):
         start = 0
         parts = []
         for end in ends:
-            parts.append(rows[start:end] if end > start else _NO_ROWS)
+            parts.append(rows[start:end] if end > start else NO_ROWS)
             start = end
         return tuple.__new__(cls, parts)
 

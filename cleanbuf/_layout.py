@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from cleanbuf._errors import LayoutError
+from cleanbuf._kernels import NO_ROWS
 
 _OPTIONS = (
     "layout=None for TorchRL collector batches [*E, T] (time last) or a single "
@@ -61,18 +62,15 @@ class CallLayout:
         return rows // self.steps if self.steps else self.stream[rows]
 
 
-_NO_ROWS = np.zeros(0, np.int64)
-
-
 def _time_last(batch_size: torch.Size) -> CallLayout:
     stream_shape = tuple(batch_size[:-1])
     steps = int(batch_size[-1])
     n_streams = int(np.prod(stream_shape, dtype=np.int64))
-    return CallLayout("time_last", stream_shape, n_streams * steps, _NO_ROWS, steps)
+    return CallLayout("time_last", stream_shape, n_streams * steps, NO_ROWS, steps)
 
 
 def _single_stream(steps: int) -> CallLayout:
-    return CallLayout("time_last", (), steps, _NO_ROWS, steps)
+    return CallLayout("time_last", (), steps, NO_ROWS, steps)
 
 
 def resolve(
@@ -142,7 +140,7 @@ def resolve(
                 "layout=None; if you called rb.add() with E envs, call rb.extend() instead."
             )
         n = int(batch_size[0])
-        return CallLayout("step", (n,), n, _NO_ROWS, 1)
+        return CallLayout("step", (n,), n, NO_ROWS, 1)
     # stream_key
     if ndim != 1:
         raise LayoutError(
