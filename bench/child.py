@@ -6,6 +6,7 @@ Run by ``bench/run.py`` as ``python -m bench.child startup plain|filter`` or
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import sys
@@ -50,12 +51,26 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _rss() -> int:
+    """This process's resident memory now, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def memory(variant: str) -> dict:
     """Streams 1 GB of Atari-like [8, 128] batches into a 4-batch buffer; peak RSS.
 
     Both variants import cleanbuf and run its kernels once on a tiny batch
-    (numba, LLVM and the loaded kernels weigh about 150 MB), so the
-    difference is what the filter holds for the data."""
+    (numba, LLVM and the loaded kernels weigh about 150 MB), then extend a
+    throwaway buffer of their own kind once with a small Atari-like batch, so
+    that both have loaded and touched the code they run (the filter's first
+    extend touches about 1 MB more of code and state than a plain one, once
+    per process). The difference of the peaks is then what
+    the filter holds for the data; ``warm_bytes`` (resident memory after the
+    warm-up) shows the one-time part."""
     import torch
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
@@ -64,19 +79,30 @@ def memory(variant: str) -> dict:
 
     torch.set_num_threads(1)
     cleanbuf.clean(make_batch("mujoco", 0.10, n_envs=2, steps=32))
-    transform = cleanbuf.AutoresetFilter() if variant == "filter" else None
+
+    def buffer(capacity: int) -> ReplayBuffer:
+        transform = cleanbuf.AutoresetFilter() if variant == "filter" else None
+        return ReplayBuffer(storage=LazyTensorStorage(capacity), transform=transform)
+
+    def extend(rb: ReplayBuffer, batch) -> None:
+        rb.extend(batch if variant == "filter" else batch.reshape(-1))
+
+    extend(buffer(256), make_batch("atari", 0.10, n_envs=2, steps=32))
+    gc.collect()  # a transform and its buffer form a cycle
+    warm = _rss()
     batch_bytes = 0
     streamed = 0
-    rb = ReplayBuffer(storage=LazyTensorStorage(4 * 1024), transform=transform)
+    rb = buffer(4 * 1024)
     template = make_batch("atari", 0.02)
     while streamed < 2**30:
         batch = template.clone()  # fresh memory each batch, as a collector hands over
         batch_bytes = sum(v.numel() * v.element_size() for v in batch.values(True, True))
-        rb.extend(batch if variant == "filter" else batch.reshape(-1))
+        extend(rb, batch)
         streamed += batch_bytes
         del batch
     peak = _peak_rss()
-    return {"peak_bytes": peak, "batch_bytes": batch_bytes, "streamed_bytes": streamed}
+    return {"peak_bytes": peak, "warm_bytes": warm, "batch_bytes": batch_bytes,
+            "streamed_bytes": streamed}
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from tensordict import TensorDict
 
-from cleanbuf import AutoresetFilter, _move
+from cleanbuf import AutoresetFilter, _move, _patch
 from tests.batches import KEYS, grid_td
 from tests.reference import FIELDS, reference_clean, simulate
 
@@ -271,9 +271,10 @@ def torch_ops_only():
     steps=st.integers(1, 30),
     variant=st.sampled_from([("next_step", False, False), *MODES]),
     joint=st.booleans(),
+    wide=st.booleans(),
     data=st.data(),
 )
-def test_numpy_and_torch_paths_agree(seed, n, steps, variant, joint, data):
+def test_numpy_and_torch_paths_agree(seed, n, steps, variant, joint, wide, data):
     """The numpy shortcuts on CPU and the torch ops (CUDA, bfloat16) give the same
     output, call by call, on random streams cut at random boundaries: held
     rows, released rows, NaN-marked lost rows and bookkeeping fixes included.
@@ -281,12 +282,19 @@ def test_numpy_and_torch_paths_agree(seed, n, steps, variant, joint, data):
     Bugs caught: a shortcut that writes other rows than its torch twin (an
     offset of the released held rows forgotten, the step shift applied to
     the wrong rows, a fancy-index assignment that writes into a copy), a
-    small-row gather that returns another shape or dtype than index_select."""
+    small-row gather that returns another shape or dtype than index_select,
+    the row-by-row copy of large observation rows (``wide``: 16 KiB a row,
+    ``_patch.ROW_LOOP_BYTES``) pairing a position with another row's source."""
     mode, obs_only, compact = variant
     joint = joint and mode == "next_step"
     rng = np.random.default_rng(seed)
     raw, _ = simulate(rng, n, steps, mode=mode, group=n if joint else None, final_missing=0.2)
     td = grid_td(raw, (n,), final=mode == "same_step", obs_only=obs_only)
+    if wide:  # each observation value v becomes the row v, v + 1, ..., v + 4095
+        width = _patch.ROW_LOOP_BYTES // 4
+        for k in list(td.keys(True, True)):
+            if (k if isinstance(k, str) else k[-1]) in ("observation", "final_obs"):
+                td.set(k, td.get(k) + torch.arange(width, dtype=torch.float32))
     cuts = sorted(data.draw(st.sets(st.integers(1, max(steps - 1, 1)), max_size=steps)) - {steps})
     bounds = [0, *cuts, steps]
     calls = [td[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
