@@ -140,7 +140,7 @@ class MinimalCompaction(Transform):
             if keep_index is not None and value.is_cpu and value.nbytes <= SMALL_ROW_BYTES * n:
                 a = value.numpy()  # reshaped by numpy: cheaper than torch's reshape
                 a = a.reshape((n,) + a.shape[td.batch_dims:])
-                out[key] = torch.from_numpy(np.take(a, index, axis=0))
+                out[key] = torch.from_numpy(a.take(index, axis=0))
                 continue
             flat = value.reshape(n, *value.shape[td.batch_dims:])
             if keep_index is None:

@@ -147,7 +147,7 @@ def gather(
         if x.nbytes <= SMALL_ROW_BYTES * len(x) and x.is_cpu:
             a = numpy_view(x)
             if a is not None:
-                return torch.from_numpy(np.take(a, rows.index, axis=0))
+                return torch.from_numpy(a.take(rows.index, axis=0))
         return x.index_select(0, rows.on(x.device))
     index = rows.on(x.device)
     if out is None:

@@ -62,7 +62,7 @@ def move(moved: dict, views: Views, held: dict, rel_slots: np.ndarray, emit: np.
             if a is not None and a.nbytes <= small:
                 # Small rows on the CPU: numpy's take (see _move), whose
                 # result is kept as the output's numpy view for the patches.
-                out[k] = a = np.take(a, emit, axis=0)
+                out[k] = a = a.take(emit, axis=0)
                 tensors[k] = torch.from_numpy(a)
                 continue
             buf = None
