@@ -1,6 +1,6 @@
 """Measurements that need a fresh process: start-up time and peak memory.
 
-Run by ``bench/run.py`` as ``python -m bench.child startup plain|filter`` or
+Run by ``bench/run.py`` as ``python -m bench.child startup plain|numba|filter`` or
 ``python -m bench.child memory plain|filter``; prints one JSON line.
 """
 
@@ -27,6 +27,10 @@ def startup(variant: str) -> dict:
         import cleanbuf
 
         transform = cleanbuf.AutoresetFilter()
+    elif variant == "numba":  # the floor of numba kernels: import numba, call one cached kernel
+        from bench.numba_floor import first_call
+
+        first_call()
     E, T = 8, 128
     done = torch.zeros(E, T, 1, dtype=torch.bool)
     done[:, 10] = True
