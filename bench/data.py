@@ -211,7 +211,7 @@ class MinimalCleaning(MinimalCompaction):
     checks that it does, call after call).
 
     Per call it plans from the done flags in one small numba pass, gathers
-    the kept rows as :class:`MinimalCompaction` does (one ``np.take`` or
+    the kept rows as :class:`MinimalCompaction` does (one ``ndarray.take`` or
     ``index_select`` per leaf), and then writes what cleaning must write,
     with numpy on the fresh rows: each done row's next observation (the
     observation of its reset row), ``is_init`` on each new episode's first

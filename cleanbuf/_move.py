@@ -49,7 +49,7 @@ class Views(dict):
     A batch ``[*B, ...]`` is read as rows ``[prod(B), ...]``. Flattening a
     tensor costs about a microsecond, and so does ``Tensor.numpy()``; a call
     reads some leaves several times (to move them, to patch them) and most
-    leaves only as numpy (small rows move with ``np.take``), so each view is
+    leaves only as numpy (small rows move with ``ndarray.take``), so each view is
     made once, and a leaf read only as numpy is never flattened by torch.
     ``views[key]`` is the numpy view of the rows (None where
     :func:`numpy_view` gives none); :meth:`flat` is the tensor of rows.

@@ -56,7 +56,7 @@ def move(moved: dict, views: Views, held: dict, rel_slots: np.ndarray, emit: np.
     else:
         emit_rows, slots = RowIndex(emit), RowIndex(rel_slots)
         size = len(rel_slots) + len(emit)
-        small = 0 if len(rel_slots) else SMALL_ROW_BYTES * n_rows  # np.take up to this size
+        small = 0 if len(rel_slots) else SMALL_ROW_BYTES * n_rows  # take() up to this size
         for k, x in moved.items():
             a = views[k] if small else None
             if a is not None and a.nbytes <= small:
