@@ -295,8 +295,10 @@ def child(what: str, variant: str, env=None) -> dict:
 
 
 def startup_case(table: Table, rounds: int = 4) -> None:
-    """Fresh processes, the variants alternating round after round; the fastest
-    of each (a process start moves by up to 0.3 s with the machine)."""
+    """Fresh processes, the variants alternating round after round. The totals
+    are the fastest of each variant (a process start moves by 0.3 s and more
+    with the machine); the times after the imports of torch and torchrl, which
+    move less, are medians."""
     child("startup", "filter")  # make sure both numba caches are warm
     child("startup", "numba")
     runs = {"plain": [], "numba": [], "filter": []}
