@@ -45,23 +45,26 @@ def startup(variant: str) -> dict:
     return {"total_s": t2 - T0, "torch_import_s": t1 - T0, "after_import_s": t2 - t1}
 
 
+def _status_bytes(field: str) -> int | None:
+    """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes,
+    or None where there is none."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def _peak_rss() -> int:
     """This process's peak resident memory in bytes (VmHWM: unlike ru_maxrss,
     it does not inherit the parent's peak across fork and exec)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status_bytes("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if peak is None else peak
 
 
 def _rss() -> int:
-    """This process's resident memory now, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """This process's resident memory now, in bytes (0 where unknown)."""
+    return _status_bytes("VmRSS") or 0
 
 
 def memory(variant: str) -> dict:

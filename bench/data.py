@@ -9,7 +9,7 @@ from tensordict import TensorDict
 from torchrl.envs.transforms import Transform
 
 from cleanbuf._move import SMALL_ROW_BYTES
-from cleanbuf._patch import as_td
+from cleanbuf._patch import ROW_LOOP_BYTES, as_td
 
 E, T = 8, 128
 
@@ -214,10 +214,11 @@ class MinimalCleaning(MinimalCompaction):
     the kept rows as :class:`MinimalCompaction` does (one ``ndarray.take`` or
     ``index_select`` per leaf), and then writes what cleaning must write,
     with numpy on the fresh rows: each done row's next observation (the
-    observation of its reset row), ``is_init`` on each new episode's first
+    observation of its reset row; rows of ``ROW_LOOP_BYTES`` or more one by
+    one, as cleanbuf writes them), ``is_init`` on each new episode's first
     row, and one step less in both step counts of every row of an episode
-    that began with a dropped reset row. Its only state is one flag per env: whether the
-    episode running at the end of the call began that way.
+    that began with a dropped reset row. Its only state is one flag per
+    env: whether the episode running at the end of the call began that way.
 
     What it leaves out, which cleanbuf must do: input checks, other layouts
     and modes, the reset-row check, and done rows whose reset row comes in
@@ -238,7 +239,12 @@ class MinimalCleaning(MinimalCompaction):
             td.get(("next", "done")).numpy().reshape(-1), n_envs, steps, self._after_reset)
         out = self._compact(td, torch.from_numpy(keep))
         obs = td.get("observation").numpy().reshape(n_envs * steps, -1)
-        out.get(("next", "observation")).numpy().reshape(len(keep), -1)[done_pos] = obs[done_src]
+        next_obs = out.get(("next", "observation")).numpy().reshape(len(keep), -1)
+        if obs.shape[1] * obs.itemsize >= ROW_LOOP_BYTES:  # large rows one by one, as cleanbuf
+            for p, r in zip(done_pos.tolist(), done_src.tolist()):
+                next_obs[p] = obs[r]
+        else:
+            next_obs[done_pos] = obs[done_src]
         out.get("is_init").numpy().reshape(-1)[init_pos] = True
         for key in ("step_count", ("next", "step_count")):
             count = out.get(key).numpy().reshape(-1)

@@ -2,10 +2,11 @@
 
 The cleaner calls both at once through :func:`plan_rows`, whose results come
 packed in a few arrays (each array a kernel returns costs about 0.3 us to
-box). Nothing here knows about TensorDicts, keys or torch. Validation happens in the
-Python callers (``_cleaner.py``) before a kernel runs; the kernels assume
-well-formed input and never raise. They are checked against the row-by-row
-reference cleaner in ``tests/reference.py`` on random streams.
+box). Nothing here knows about TensorDicts, keys or torch. Validation
+happens in the Python callers (``_cleaner.py``) before a kernel runs; the
+kernels assume well-formed input and never raise. They are checked against
+the row-by-row reference cleaner in ``tests/reference.py`` on random
+streams.
 
 Row codes written by :func:`plan` (one byte per input row, the low three
 bits; two more bits carry the bookkeeping fixes):

@@ -67,7 +67,8 @@ def test_missing_done_key():
     """Bug caught: data without any done key cleaned as if nothing ever ended."""
     filt, rb, rest = _primed()
     bad = next_step_batch(2, 12, 1).exclude(("next", "done"))
-    assert_rejected(filt, rb, bad, InputError, "no done key", "('next', 'done')", "done_key=", then=rest)
+    assert_rejected(filt, rb, bad, InputError, "no done key", "('next', 'done')", "done_key=",
+                    then=rest)
 
 
 def test_missing_observation_key():
@@ -92,7 +93,8 @@ def test_done_not_boolean():
     filt, rb, rest = _primed()
     bad = next_step_batch(2, 12, 1)
     bad.set(("next", "done"), bad["next", "done"].float())
-    assert_rejected(filt, rb, bad, InputError, "('next', 'done')", "torch.bool", "torch.float32", ".bool()", then=rest)
+    assert_rejected(filt, rb, bad, InputError, "('next', 'done')", "torch.bool", "torch.float32",
+                    ".bool()", then=rest)
 
 
 def test_done_with_several_flags_per_row():
@@ -120,14 +122,16 @@ def test_observation_and_next_observation_shapes_differ():
     filt, rb, rest = _primed(observation_keys=["observation"])
     bad = next_step_batch(2, 12, 1)
     bad.set(("next", "observation"), torch.zeros(2, 12, 3))
-    assert_rejected(filt, rb, bad, InputError, "'observation'", "[2, 12, 1]", "[2, 12, 3]", then=rest)
+    assert_rejected(filt, rb, bad, InputError, "'observation'", "[2, 12, 1]", "[2, 12, 3]",
+                    then=rest)
 
 
 def test_stream_count_changes_between_calls():
     """Bug caught: a held row of env 1 released into another env's stream
     after the env count changed."""
     filt, rb, rest = _primed()
-    assert_rejected(filt, rb, next_step_batch(3, 12, 1), LayoutError, "[2]", "[3]", "flush()", then=rest)
+    assert_rejected(filt, rb, next_step_batch(3, 12, 1), LayoutError, "[2]", "[3]", "flush()",
+                    then=rest)
 
 
 def test_flattened_collector_batch_is_ambiguous():
@@ -135,7 +139,8 @@ def test_flattened_collector_batch_is_ambiguous():
     stitches env 1's observation into env 0's done row."""
     filt, rb, rest = _primed()
     bad = next_step_batch(2, 12, 1).reshape(-1)
-    assert_rejected(filt, rb, bad, LayoutError, "reshape(-1)", "layout='step'", "stream_key=", then=rest)
+    assert_rejected(filt, rb, bad, LayoutError, "reshape(-1)", "layout='step'", "stream_key=",
+                    then=rest)
 
 
 def test_step_layout_rejects_time_batches():
@@ -236,7 +241,7 @@ def test_final_entry_single_tensor_with_several_observation_keys():
     bad.set("pixels", torch.zeros(2, 12, 3))
     bad.set(("next", "pixels"), torch.zeros(2, 12, 3))
     assert_rejected(filt, rb, bad, InputError, "('next', 'final_obs')", "one tensor",
-                            "'observation'", "'pixels'")
+                    "'observation'", "'pixels'")
 
 
 def test_final_entry_missing_an_observation_key():
@@ -250,7 +255,7 @@ def test_final_entry_missing_an_observation_key():
     for key in ("pixels", ("next", "pixels")):
         bad.set(key, torch.zeros(2, 12, 3))
     assert_rejected(filt, rb, bad, InputError, "lacks", "('next', 'final_obs', 'pixels')",
-                            "final_obs_key=")
+                    "final_obs_key=")
 
 
 def test_final_mask_not_boolean():
@@ -259,7 +264,7 @@ def test_final_mask_not_boolean():
     bad = same_step_batch(2, 12, 1)
     bad.set(("next", "_final_obs"), bad["next", "_final_obs"].float())
     assert_rejected(filt, rb, bad, InputError, "('next', '_final_obs')", "torch.bool",
-                            "torch.float32")
+                    "torch.float32")
 
 
 def test_final_entry_of_another_shape():

@@ -255,7 +255,7 @@ def test_stream_key_interleaved_rows(seed, n, steps, data):
 @contextlib.contextmanager
 def torch_ops_only():
     """Turns off the numpy shortcuts that CPU tensors take (small rows moved with
-    ``np.take``, patches through numpy views, flags read as views), so that
+    numpy's ``take``, patches through numpy views, flags read as views), so that
     rows move and are patched with torch ops, as on CUDA or with dtypes numpy
     lacks (bfloat16)."""
     def none(t):
