@@ -93,8 +93,8 @@ class Cleaner:
     # ------------------------------------------------------------------ API
     @property
     def stats(self) -> dict:
-        """A copy of the counters (see ``STAT_NAMES``)."""
-        return dict(self._stats)
+        """A copy of the counters (see ``STAT_NAMES``), as plain Python ints."""
+        return {k: int(v) for k, v in self._stats.items()}
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         """Cleans one call's batch; returns the rows to store, flat ``[M]``."""
@@ -244,14 +244,31 @@ class Cleaner:
         return as_td(rows, len(keep))
 
     def state_dict(self) -> dict:
-        """The carry state and counters, as tensors and plain Python values."""
-        return {**self._carry.state_dict(), "stats": dict(self._stats)}
+        """The carry state, counters and options, as tensors and plain Python values."""
+        return {**self._carry.state_dict(), "stats": self.stats, "options": self.options.as_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores what :meth:`state_dict` returned."""
+        """Restores what :meth:`state_dict` returned.
+
+        Raises:
+            InputError: the state is not a cleanbuf state, or was saved by a
+                cleaner with other options (its held rows and flags would be
+                read under other rules).
+        """
         carry = Carry.from_state_dict(state)
+        saved = state.get("options")
+        if saved is not None:
+            mine = self.options.as_dict()
+            diff = [f"{k}={saved.get(k)!r} (this filter: {v!r})" for k, v in mine.items()
+                    if saved.get(k) != v]
+            if diff:
+                raise InputError(
+                    f"this state was saved by a filter with other options: {', '.join(diff)}. "
+                    "Build the filter with the options it was saved with (or the same "
+                    "for_env producer) before loading it."
+                )
         self._carry = carry
-        self._stats = dict.fromkeys(STAT_NAMES, 0) | dict(state["stats"])
+        self._stats = dict.fromkeys(STAT_NAMES, 0) | {k: int(v) for k, v in state["stats"].items()}
 
     # ------------------------------------------------------------ internals
     def _bookkeeping(self) -> set:
@@ -439,7 +456,7 @@ class Cleaner:
         self._commit_layout(layout)
         self._stats["rows_in"] += layout.n_rows
         self._stats["rows_out"] += layout.n_rows
-        self._stats["episodes_completed"] += np.count_nonzero(done)
+        self._stats["episodes_completed"] += int(np.count_nonzero(done))
         return as_td({k: views.flat(k) for k in keys}, layout.n_rows, device)
 
 

@@ -82,6 +82,15 @@ class Options:
     keep_final_obs: bool = False
     compact: bool = False
 
+    def as_dict(self) -> dict:
+        """The options as plain Python values (for a state dict).
+
+        Examples:
+            >>> Options(mode="same_step").as_dict()["mode"]
+            'same_step'
+        """
+        return dataclasses.asdict(self)
+
     @property
     def step_count_keys(self) -> tuple:
         """The step-count keys to fix: ``step_count_key`` and its ``("next", ...)``

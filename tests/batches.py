@@ -52,3 +52,12 @@ def same_step_batch(n_streams=2, steps=12, seed=0, final=True, **kwargs):
     raw, _ = simulate(np.random.default_rng(seed), n_streams, steps, mode="same_step",
                       max_len=4, **kwargs)
     return grid_td(raw, (n_streams,), final=final)
+
+
+def assert_same_rows(got, want):
+    """Asserts two TensorDicts hold the same keys and rows, NaN equal to NaN."""
+    assert got.batch_size == want.batch_size, (got.batch_size, want.batch_size)
+    assert set(got.keys(True, True)) == set(want.keys(True, True))
+    for key in want.keys(True, True):
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m, key=key: f"key {key}: {m}")
