@@ -3,11 +3,12 @@
 Per stream: whether a reset row comes next (``pending``), whether a held row
 waits for the next row as its next observation's source (``waiting``),
 whether the next kept row starts an auto-reset episode (``need_init``), the
-step-count shift of the current episode (``shift``); the held rows
+step-count shift of the current episode (``shift``), whether the held
+row's end is an undecided collector mark (``marked``); the held rows
 themselves; and, for stream-key data, the stream id of each slot. All of it
 is small (a few values per stream and at most one row per stream).
 
-The four per-stream values live in one ``int64[4, S]`` array, the form the
+The per-stream values live in one ``int64[5, S]`` array, the form the
 planning kernel reads and returns (one array to pass instead of four).
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from cleanbuf._errors import InputError
-from cleanbuf._kernels import NEED_INIT, PENDING, SHIFT, WAITING
+from cleanbuf._kernels import MARKED, NEED_INIT, PENDING, SHIFT, WAITING
 
 STATE_VERSION = 2
 # The per-stream values: their row in Carry.per_stream, and their dtype in a state dict.
@@ -29,6 +30,7 @@ _PER_STREAM = {
     "waiting": (WAITING, np.bool_),
     "need_init": (NEED_INIT, np.bool_),
     "shift": (SHIFT, np.int64),
+    "marked": (MARKED, np.bool_),
 }
 
 
@@ -45,16 +47,17 @@ def no_streams() -> np.ndarray:
 class Carry:
     """Per-stream state carried between calls.
 
-    ``per_stream`` is ``int64[4, S]``: per stream, whether a reset row comes
+    ``per_stream`` is ``int64[5, S]``: per stream, whether a reset row comes
     next (row ``PENDING``), whether its held row waits (``WAITING``), whether
-    the next kept row starts an auto-reset episode (``NEED_INIT``), and the
-    step-count shift of its episode (``SHIFT``). Callers replace the array
+    the next kept row starts an auto-reset episode (``NEED_INIT``), the
+    step-count shift of its episode (``SHIFT``), and whether its pending
+    done row is an undecided batch-end mark (``MARKED``). Callers replace the array
     and never write into it.
 
     Examples:
         >>> carry = Carry().grown(2)
         >>> carry.per_stream.shape, carry.n_streams
-        ((4, 2), 2)
+        ((5, 2), 2)
         >>> restored = Carry.from_state_dict(carry.state_dict())
         >>> restored.per_stream.tolist() == carry.per_stream.tolist()
         True
@@ -112,7 +115,8 @@ class Carry:
         shape = state["stream_shape"]
         per_stream = np.zeros((len(_PER_STREAM), len(state["pending"])), np.int64)
         for name, (row, _) in _PER_STREAM.items():
-            per_stream[row] = state[name].numpy()
+            if name in state:  # ("marked" came later: absent means none)
+                per_stream[row] = state[name].numpy()
         return cls(
             stream_shape=None if shape is None else tuple(shape),
             layout_kind=state["layout_kind"],

@@ -9,6 +9,8 @@ changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -24,11 +26,21 @@ from cleanbuf._errors import (
 from cleanbuf._keys import (
     check_same_layout,
     done_flags,
+    row_flags as _flags,
     final_entries,
     batch_leaves,
     observation_keys,
 )
-from cleanbuf._kernels import NEED_INIT, NO_ROWS, PENDING, SHIFT, WAITING, Selection
+from cleanbuf._kernels import (
+    MARKED,
+    NEED_INIT,
+    NO_ROWS,
+    PENDING,
+    RELEASED_LOST,
+    SHIFT,
+    WAITING,
+    Selection,
+)
 from cleanbuf._layout import CallLayout, resolve
 from cleanbuf._move import Views
 from cleanbuf._options import Options
@@ -135,32 +147,32 @@ class Cleaner:
                 carry.per_stream[NEED_INIT] = 0
             self._carry = carry
             return self._pass_through(views, moved, layout, done, td.device)
-        rows, ends, released_src, per_stream, n_drop, n_lost, n_done, bad_row = _kernels.plan_rows(
+        restart = self._restart_rows(views, n)
+        mark = self._mark_rows(views, layout, done, restart)
+        planned = _kernels.plan_rows(
             n, layout.steps, layout.stream, done,
-            self._joint(done, layout, n_streams) if opts.joint_reset else _NO_FLAGS,
+            self._joint(done, mark, layout, n_streams) if opts.joint_reset else _NO_FLAGS,
             _NO_FLAGS if present is None else present, bool(final_of),
-            self._reward_rows(views, n), carry.per_stream, not same_step, obs_only and stitch,
-            same_step and stitch, stitch,
+            self._reward_rows(views, n), restart, mark, carry.per_stream, not same_step,
+            obs_only and stitch, same_step and stitch, stitch,
             stitch and (obs_only or not self._in_done_row(layout.kind)),
             opts.on_lost_terminal_obs == "drop",
         )
+        rows, ends, released_src, per_stream, n_drop, n_lost, n_next_lost, n_done, bad_row = planned
         if bad_row >= 0:
             self._raise_bad_reset_row(bad_row, done, layout)
-        policy = self._lost_policy(obs_keys, leaves, n_lost, final_missing=same_step)
+        rel = _Release.of(carry, released_src, n_streams, opts.done_key)
+        policy = self._lost_policy(obs_keys, leaves, n_lost + n_next_lost + rel.n_lost,
+                                   final_missing=same_step)
+        if policy == "drop":
+            rel = rel.without_lost()
         sel = Selection.unpack(rows, ends)
         emit, hold, stitched, _, lost, final, emit_init, hold_init, emit_shift, hold_shift = sel
-        if len(carry.held_stream):
-            released = released_src >= 0
-            slot_of = np.full(n_streams, -1, np.int64)
-            slot_of[carry.held_stream] = np.arange(len(carry.held_stream))
-            rel_streams = np.flatnonzero(released & (slot_of >= 0))
-            rel_slots = slot_of[rel_streams]
-        else:
-            rel_streams = rel_slots = NO_ROWS
+        rel_streams, rel_slots = rel.streams, rel.slots
         n_rel = len(rel_streams)
         patched = set()
-        if stitch and not obs_only and (len(stitched) or n_rel or len(final) or
-                                        (len(lost) and policy == "nan")):
+        if stitch and not obs_only and (len(stitched) or rel.n_stitched or len(final) or
+                                        ((len(lost) or rel.n_lost) and policy == "nan")):
             patched.update(("next", *k) for k in obs_keys)
         if len(emit_init):
             patched.add(opts.is_init_key)
@@ -169,8 +181,7 @@ class Cleaner:
         out, new_held = move(moved, views, carry.held, rel_slots, emit, hold, n, patched,
                              self._pool)
         if stitch:
-            write_next_obs(out, n_rel, views, obs_keys, sel, released_src[rel_streams],
-                           final_of, policy, obs_only)
+            write_next_obs(out, n_rel, views, obs_keys, sel, rel.src, final_of, policy, obs_only)
         fix_bookkeeping(out, n_rel, emit_init, emit_shift, opts.is_init_key, opts.step_count_keys)
         if new_held:
             fix_bookkeeping(Views(new_held), 0, hold_init, hold_shift, opts.is_init_key,
@@ -179,7 +190,7 @@ class Cleaner:
         # so until here the old state was untouched.)
         carry.per_stream = per_stream
         if len(carry.held_stream) or len(hold):
-            kept_old = released_src[carry.held_stream] < 0
+            kept_old = released_src[carry.held_stream] == -1
             carry.held = _cat_held(carry.held, kept_old, new_held)
             carry.held_stream = np.concatenate([carry.held_stream[kept_old], layout.stream_of(hold)])
         self._carry = carry
@@ -189,9 +200,10 @@ class Cleaner:
         s["rows_in"] += n
         s["rows_out"] += n_out
         s["reset_rows_dropped"] += n_drop
-        s["next_obs_restitched"] += (len(stitched) + n_rel + len(final)) if stitch else 0
-        s["terminal_obs_missing"] += n_lost
-        s["lost_rows_dropped"] += n_lost if policy == "drop" else 0
+        s["next_obs_restitched"] += (len(stitched) + rel.n_stitched + len(final)) if stitch else 0
+        s["terminal_obs_missing"] += n_lost + rel.n_terminal_lost
+        s["next_obs_missing"] += n_next_lost + rel.n_lost - rel.n_terminal_lost
+        s["lost_rows_dropped"] += (n_lost + n_next_lost + rel.n_dropped) if policy == "drop" else 0
         s["episodes_completed"] += n_done
         s["rows_held"] = len(carry.held_stream)
         return as_td(out.tensors, n_out, td.device)
@@ -218,6 +230,11 @@ class Cleaner:
         done = done_flags(Views(rows, 1, n_held), opts.done_key)
         in_done_row = self._in_done_row(carry.layout_kind)
         missing = np.ones(n_held, np.bool_) if obs_only else ~np.full(n_held, in_done_row)
+        # A collector's batch-end mark still undecided: maybe no episode end at
+        # all, and maybe one whose terminal observation was zero-filled.
+        marked = carry.per_stream[MARKED][carry.held_stream] != 0
+        missing |= marked
+        done = done & ~marked
         n_terminal = int((missing & done).sum())
         n_next = int((missing & ~done).sum())
         policy = self._lost_policy(obs_keys, rows, n_terminal + n_next, final_missing=False)
@@ -369,9 +386,11 @@ class Cleaner:
                     f"{list(v.shape[batch_dims:])} and {v.dtype}. Call flush() before changing it."
                 )
 
-    def _joint(self, done: np.ndarray, layout: CallLayout, n_streams: int) -> np.ndarray:
+    def _joint(self, done: np.ndarray, mark: np.ndarray, layout: CallLayout,
+               n_streams: int) -> np.ndarray:
         """Per row, done at a step where its whole reset group is done (with
-        ``joint_reset``)."""
+        ``joint_reset``); a collector's undecided batch-end marks do not count
+        (if they hid a real joint reset, the next row is a restart)."""
         group = self.options.reset_group_size or n_streams
         if n_streams % group:
             raise LayoutError(
@@ -379,8 +398,46 @@ class Cleaner:
                 f"shape {list(layout.stream_shape)}; it must be the number of envs that "
                 "reset together (the envs of one TorchRL GymEnv / worker)."
             )
+        if len(mark):
+            done = done & ~mark
         d = done.reshape(n_streams // group, group, layout.steps)
         return (d & d.all(axis=1, keepdims=True)).reshape(-1)
+
+    def _restart_rows(self, leaves: Views, n_rows: int) -> np.ndarray:
+        """Per row, whether it comes after a real reset of its env: ``is_init``
+        where the rows have it, else ``step_count == 0``; empty when neither."""
+        opts = self.options
+        if opts.is_init_key is not None and opts.is_init_key in leaves.tensors:
+            return _flags("is_init", opts.is_init_key, leaves)
+        if opts.step_count_key is not None and opts.step_count_key in leaves.tensors:
+            count = leaves.tensors[opts.step_count_key]
+            return (count.reshape(n_rows, -1)[:, 0] == 0).cpu().numpy()
+        return _NO_FLAGS
+
+    def _mark_rows(self, leaves: Views, layout: CallLayout, done: np.ndarray,
+                   restart: np.ndarray) -> np.ndarray:
+        """With ``set_truncated``: per row, a done row on the call's last step
+        whose only end signal may be the collector's truncation mark (empty
+        otherwise)."""
+        if not self.options.set_truncated or not np.count_nonzero(done):
+            return _NO_FLAGS
+        if not len(restart):
+            raise InputError(
+                "set_truncated=True needs is_init (InitTracker) or step_count (StepCounter) "
+                "in the rows: the row after a batch-end mark tells a real episode end (a "
+                "reset) from a mark only through them. Add InitTracker() to the env, or "
+                "build the collector without set_truncated."
+            )
+        mark = np.zeros(layout.n_rows, np.bool_)
+        last = np.arange(layout.steps - 1, layout.n_rows, layout.steps)
+        truncated = self._flag_or(leaves, ("next", "truncated"), True)
+        terminated = self._flag_or(leaves, ("next", "terminated"), False)
+        mark[last] = (done & truncated & ~terminated)[last]
+        return mark
+
+    @staticmethod
+    def _flag_or(leaves: Views, key: tuple, default: bool) -> np.ndarray | bool:
+        return _flags(key[-1], key, leaves) if key in leaves.tensors else default
 
     def _reward_rows(self, leaves: Views, n_rows: int) -> np.ndarray:
         """Per row, nonzero where the reward is not exactly 0 (for the reset-row check)."""
@@ -458,6 +515,59 @@ class Cleaner:
         self._stats["rows_out"] += layout.n_rows
         self._stats["episodes_completed"] += int(np.count_nonzero(done))
         return as_td({k: views.flat(k) for k in keys}, layout.n_rows, device)
+
+
+@dataclasses.dataclass
+class _Release:
+    """The held rows from earlier calls that a call releases, in output order.
+
+    Attributes:
+        streams: their streams.
+        slots: their slots in the held rows.
+        src: per row, the call's row holding its next observation, or
+            ``RELEASED_LOST`` (lost: a restart cut it off) or
+            ``RELEASED_AS_IS`` (complete as stored).
+        lost_done: per lost row, whether it is a done row.
+    """
+
+    streams: np.ndarray
+    slots: np.ndarray
+    src: np.ndarray
+    lost_done: np.ndarray
+    n_dropped: int = 0
+
+    @classmethod
+    def of(cls, carry: Carry, released_src: np.ndarray, n_streams: int, done_key) -> "_Release":
+        """Reads the kernel's ``released_src`` against the carry's held rows."""
+        if not len(carry.held_stream):
+            return cls(NO_ROWS, NO_ROWS, NO_ROWS, _NO_FLAGS)
+        slot_of = np.full(n_streams, -1, np.int64)
+        slot_of[carry.held_stream] = np.arange(len(carry.held_stream))
+        streams = np.flatnonzero((released_src != -1) & (slot_of >= 0))
+        slots, src = slot_of[streams], released_src[streams]
+        lost_done = _NO_FLAGS
+        if np.count_nonzero(src == RELEASED_LOST):
+            held = Views(carry.held, 1, len(carry.held_stream))
+            lost_done = done_flags(held, done_key)[slots[src == RELEASED_LOST]]
+        return cls(streams, slots, src, lost_done)
+
+    @property
+    def n_stitched(self) -> int:
+        return int(np.count_nonzero(self.src >= 0))
+
+    @property
+    def n_lost(self) -> int:
+        return len(self.lost_done)
+
+    @property
+    def n_terminal_lost(self) -> int:
+        return int(np.count_nonzero(self.lost_done))
+
+    def without_lost(self) -> "_Release":
+        """The same release with the lost rows left out (the "drop" policy)."""
+        keep = self.src != RELEASED_LOST
+        return _Release(self.streams[keep], self.slots[keep], self.src[keep], self.lost_done,
+                        n_dropped=len(self.src) - int(np.count_nonzero(keep)))
 
 
 def _cat_held(held: dict, kept_old: np.ndarray, new_held: dict) -> dict:

@@ -18,8 +18,9 @@ bits; two more bits carry the bookkeeping fixes):
   carry state until a later call (or ``flush``) releases it.
 * ``STITCHED``: a row whose next observation comes from a later row of this
   call (``next_src``), emitted.
-* ``LOST``: a done row whose terminal observation is gone (TorchRL's joint
-  reset in next-step mode; no final observation in same-step mode).
+* ``LOST``: a row whose next observation is gone (a done row after
+  TorchRL's joint reset in next-step mode; no final observation in
+  same-step mode; a row whose successor is a restart).
 * ``FINAL``: a same-step done row whose next observation is its own
   final-observation entry, emitted.
 
@@ -56,8 +57,11 @@ CODE_MASK = 7
 INIT_BIT = 8  # set is_init on this row
 SHIFT_BIT = 16  # subtract 1 from this row's step counts
 
-# The rows of the carry state (int64[4, S], see plan).
-PENDING, WAITING, NEED_INIT, SHIFT = range(4)
+# The rows of the carry state (int64[5, S], see plan).
+PENDING, WAITING, NEED_INIT, SHIFT, MARKED = range(5)
+# What plan's released_src says of a held row, besides its source row.
+RELEASED_LOST = -2  # released with its next observation lost (a restart cut it off)
+RELEASED_AS_IS = -3  # released as stored (its end was only a collector's mark)
 
 # An empty row index, shared (read-only) wherever a call has no such rows.
 NO_ROWS = np.zeros(0, np.int64)
@@ -65,8 +69,8 @@ NO_ROWS.flags.writeable = False
 
 
 @njit(cache=True, nogil=True)
-def plan(n, steps, stream, done, joint, final_ok, final_default, reward, carry, reset_rows,
-         successor, final, stitch, hold_done):
+def plan(n, steps, stream, done, joint, final_ok, final_default, reward, restart, mark, carry,
+         reset_rows, successor, final, stitch, hold_done):
     """Plans one call from flags and the carry state, in one pass over the rows.
 
     It reads one flag byte per row (plus the reward where the reset-row check
@@ -87,15 +91,26 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, carry, 
             the row's final-observation entry is present (same-step mode).
         final_default: see ``final_ok``.
         reward: numeric[N] or empty (check off): nonzero where the reward is
-            not exactly zero (the reset-row signature check).
-        carry: int64[4, S], the carry state per stream, one row each (0 or
+            not exactly zero (the reset-row check).
+        restart: bool[N] or empty: the row comes after a real reset of its
+            env (``is_init``). Where the stream expects no reset row, or
+            where the stream's first row in the call fails the reset-row
+            check (a collector reset between calls), the row restarts the
+            stream: a row waiting for its next observation has lost it, and
+            nothing of the old episode carries over.
+        mark: bool[N] or empty: a done row whose only end signal may be a
+            collector's batch-end truncation mark (TorchRL
+            ``set_truncated=True``). The next row of its stream decides:
+            a restart row means a real episode end, any other row means it
+            was only a mark and the row is complete as stored.
+        carry: int64[5, S], the carry state per stream, one row each (0 or
             1): ``PENDING``, a reset row comes next in the stream;
             ``WAITING``, the stream's held row waits for the next row of the
-            stream as its next observation's source; ``NEED_INIT``, the next
-            kept row starts an episode that an auto-reset began (its
-            ``is_init`` must be set); ``SHIFT``, the stream's current episode
-            began with a dropped reset row (its step counts are one too
-            high).
+            stream; ``NEED_INIT``, the next kept row starts an episode that
+            an auto-reset began (its ``is_init`` must be set); ``SHIFT``,
+            the stream's current episode began with a dropped reset row (its
+            step counts are one too high); ``MARKED``, the pending done row
+            is an undecided mark.
         reset_rows: next-step mode: a reset row follows each non-joint done row.
         successor: observation-only data: each row's next observation is the
             next row's observation (or, with ``final``, a done row's final
@@ -111,15 +126,18 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, carry, 
             its reset row is dropped when it comes.
 
     Returns:
-        ``(code, next_src, released_src, carry, n_drop, n_lost, n_done,
-        bad_row)``: the per-row code byte (module docstring); per-row source
+        ``(code, next_src, released_src, carry, n_drop, n_lost, n_next_lost,
+        n_done, bad_row)``: the per-row code byte (module docstring); per-row source
         row of the next observation (set for ``STITCHED`` rows only, and
         empty when ``steps > 0``: the source is then the next row);
-        per-stream source row for the stream's held row from an earlier call
-        (-1 if not released); the new carry state (a fresh array; the input
-        is untouched); the counts of reset rows, lost terminal observations
-        and done rows; and the first supposed reset row that fails the
-        signature check (-1 if none; the rest is then meaningless).
+        per-stream what happens to the stream's held row from an earlier
+        call (a source row, ``RELEASED_LOST``, ``RELEASED_AS_IS``, or -1:
+        still held); the new carry state (a fresh array; the input is
+        untouched); the counts of reset rows, lost terminal observations
+        (done rows) and lost next observations (other rows) of this call's
+        rows, and of completed episodes; and the first supposed
+        reset row that fails the check (-1 if none; the rest is then
+        meaningless).
     """
     n_streams = carry.shape[1]
     carry = carry.copy()
@@ -127,8 +145,11 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, carry, 
     waiting = carry[WAITING]
     need_init = carry[NEED_INIT]
     shift = carry[SHIFT]
+    marked = carry[MARKED]
     has_joint = joint.shape[0] > 0
     has_final = final_ok.shape[0] > 0
+    has_restart = restart.shape[0] > 0
+    has_mark = mark.shape[0] > 0
     check = reward.shape[0] > 0
     code = np.empty(n, np.int8)
     # With time-last rows a row's source is always the next row (i + 1), which
@@ -137,10 +158,49 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, carry, 
     next_src = np.empty(n if steps == 0 else 0, np.int64)
     released_src = np.full(n_streams, -1, np.int64)
     open_row = np.full(n_streams, -1, np.int64)
-    n_drop = n_lost = n_done = 0
+    seen = np.zeros(n_streams, np.bool_)
+    n_drop = n_lost = n_next_lost = n_done = 0
     bad_row = -1
     for i in range(n):
         s = i // steps if steps > 0 else stream[i]
+        fresh = has_restart and restart[i]
+        if marked[s]:
+            # The stream's last row was a batch-end mark: this row decides.
+            marked[s] = False
+            if fresh:
+                n_done += 1  # a real episode end; go on as after any done row
+            else:
+                pending[s] = False  # only a mark: the row is complete as stored
+                if not successor:  # (observation-only rows take this row's obs below)
+                    if open_row[s] >= 0:
+                        code[open_row[s]] = (code[open_row[s]] & ~CODE_MASK) | EMIT
+                        open_row[s] = -1
+                    elif waiting[s]:
+                        released_src[s] = RELEASED_AS_IS
+                        waiting[s] = False
+        first = not seen[s]
+        seen[s] = True
+        # A reset row may carry a collector's mark, which is not its own end.
+        ends = done[i] and not (has_mark and mark[i])
+        if fresh and (not pending[s] or (first and (ends or (check and reward[i] != 0)))):
+            # A restart: not the expected reset row. The row waiting for this
+            # one lost its next observation; nothing of the old episode carries.
+            # (Only a collector reset between calls restarts a stream that
+            # expects a reset row; within a call such a row fails the check.)
+            o = open_row[s]
+            if o >= 0:
+                code[o] = (code[o] & ~CODE_MASK) | LOST
+                if done[o]:
+                    n_lost += 1
+                else:
+                    n_next_lost += 1
+                open_row[s] = -1
+            elif waiting[s]:
+                released_src[s] = RELEASED_LOST
+                waiting[s] = False
+            pending[s] = False
+            need_init[s] = False
+            shift[s] = 0
         # This row is the source of the next observation of the row before it.
         o = open_row[s]
         if o >= 0:
@@ -152,7 +212,7 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, carry, 
             released_src[s] = i
             waiting[s] = False
         if reset_rows and pending[s]:
-            if done[i] or (check and reward[i] != 0):
+            if ends or (check and reward[i] != 0):
                 bad_row = i
                 break
             code[i] = DROP
@@ -168,8 +228,11 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, carry, 
         if shift[s]:
             c |= SHIFT_BIT
         if done[i]:
-            n_done += 1
-            shift[s] = 0
+            if has_mark and mark[i]:
+                marked[s] = True  # counted, and the shift ended, once decided
+            else:
+                n_done += 1
+                shift[s] = 0
             if reset_rows:
                 if has_joint and joint[i]:
                     code[i] = c | LOST
@@ -196,7 +259,7 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, carry, 
     for s in range(n_streams):
         if open_row[s] >= 0:
             waiting[s] = True
-    return code, next_src, released_src, carry, n_drop, n_lost, n_done, bad_row
+    return code, next_src, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row
 
 
 class Selection(NamedTuple):
@@ -317,8 +380,8 @@ def select_rows(code, next_src, drop_lost):
 
 
 @njit(cache=True, nogil=True)
-def plan_rows(n, steps, stream, done, joint, final_ok, final_default, reward, carry, reset_rows,
-              successor, final, stitch, hold_done, drop_lost):
+def plan_rows(n, steps, stream, done, joint, final_ok, final_default, reward, restart, mark, carry,
+              reset_rows, successor, final, stitch, hold_done, drop_lost):
     """:func:`plan`, then :func:`select_rows`, in one call from Python.
 
     The arguments are those of the two (``drop_lost`` is that of
@@ -326,15 +389,15 @@ def plan_rows(n, steps, stream, done, joint, final_ok, final_default, reward, ca
     next-observation sources stay inside the kernel.
 
     Returns:
-        ``(rows, ends, released_src, carry, n_drop, n_lost, n_done,
-        bad_row)``: the packed selection (:meth:`Selection.unpack`) and the
+        ``(rows, ends, released_src, carry, n_drop, n_lost, n_next_lost,
+        n_done, bad_row)``: the packed selection (:meth:`Selection.unpack`) and the
         rest of :func:`plan`'s results. When ``bad_row >= 0`` the selection
         is empty.
     """
-    code, next_src, released_src, carry, n_drop, n_lost, n_done, bad_row = plan(
-        n, steps, stream, done, joint, final_ok, final_default, reward, carry, reset_rows,
-        successor, final, stitch, hold_done)
+    code, next_src, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row = plan(
+        n, steps, stream, done, joint, final_ok, final_default, reward, restart, mark, carry,
+        reset_rows, successor, final, stitch, hold_done)
     if bad_row >= 0:
         code = code[:0]
     rows, ends = select_rows(code, next_src, drop_lost)
-    return rows, ends, released_src, carry, n_drop, n_lost, n_done, bad_row
+    return rows, ends, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row

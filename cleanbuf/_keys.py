@@ -73,7 +73,7 @@ def _walk(td: TensorDictBase, prefix: tuple, leaves: dict) -> bool:
     return True
 
 
-def _row_flags(name: str, key: tuple, rows: Views) -> np.ndarray:
+def row_flags(name: str, key: tuple, rows: Views) -> np.ndarray:
     """The flags of ``rows.tensors[key]`` (one bool per row) as numpy ``[n_rows]``.
 
     A CPU leaf is read through its numpy view, which the move of the same
@@ -119,7 +119,7 @@ def done_flags(rows: Views, done_key: tuple | None) -> np.ndarray:
     """
     leaves = rows.tensors
     if done_key is None and DONE_KEYS[0] in leaves:  # the common case, first
-        return _row_flags("done", DONE_KEYS[0], rows)
+        return row_flags("done", DONE_KEYS[0], rows)
     keys = [done_key] if done_key is not None else [k for k in DONE_KEYS[1:] if k in leaves]
     missing = [k for k in keys if k not in leaves]
     if not keys or missing:
@@ -131,7 +131,7 @@ def done_flags(rows: Views, done_key: tuple | None) -> np.ndarray:
         )
     flag = None
     for key in keys:
-        value = _row_flags("done", key, rows)
+        value = row_flags("done", key, rows)
         flag = value if flag is None else flag | value
     return flag
 

@@ -81,6 +81,7 @@ class Options:
     final_obs_key: tuple | None = None
     keep_final_obs: bool = False
     compact: bool = False
+    set_truncated: bool = False
 
     def as_dict(self) -> dict:
         """The options as plain Python values (for a state dict).
@@ -179,6 +180,12 @@ class Options:
             ):
                 obs_keys = [obs_keys]
             obs_keys = tuple(_key(k) for k in obs_keys)
+        if kwargs.get("set_truncated") and mode != "next_step":
+            raise CleanbufError(
+                f"set_truncated=True describes a TorchRL collector's batch-end marks on "
+                f"next-step data; it does not go with mode={mode!r} (TorchRL repairs "
+                "same-step and disabled producers itself, and their marks pass through)."
+            )
         if kwargs.get("joint_reset") and mode != "next_step":
             raise CleanbufError(
                 f"joint_reset=True describes next-step data (TorchRL's joint reset); "

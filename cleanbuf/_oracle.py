@@ -143,7 +143,8 @@ def compare_streams(cleaned: dict, oracle: dict, min_rows: int, subset: bool = F
             x, y = c[key], o[key]
             if key == ("next", "observation"):
                 lost = torch.isnan(x).any(-1)
-                _check(bool(c["next", "done"].reshape(-1)[lost].all()), f"stream {e}: NaN on a non-done row")
+                ends = c.get(("next", "done"), c.get(("next", "terminated"), None))
+                _check(bool(ends.reshape(-1)[lost].all()), f"stream {e}: NaN on a non-done row")
                 n_lost += int(lost.sum())
                 x, y = x[~lost], y[~lost]
             _check(

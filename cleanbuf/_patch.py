@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from cleanbuf._kernels import RELEASED_LOST
 from cleanbuf._move import SMALL_ROW_BYTES, RowIndex, Views, gather
 from cleanbuf._pool import MIN_POOLED_BYTES, BufferPool
 
@@ -91,7 +92,7 @@ def write_next_obs(out: Views, n_rel, leaves: Views, obs_keys, sel, released_src
         obs_keys: the observation keys.
         sel: the call's :class:`cleanbuf._kernels.Selection`.
         released_src: per released held row, the row of this call that holds
-            its next observation.
+            its next observation, or ``RELEASED_LOST`` / ``RELEASED_AS_IS``.
         final_of: observation key -> final-observation leaf key (same-step).
         policy: the lost-observation policy ("nan", "keep", "drop").
         obs_only: the data has no ``("next", k)``: create the leaf (every
@@ -102,14 +103,19 @@ def write_next_obs(out: Views, n_rel, leaves: Views, obs_keys, sel, released_src
     final_src = sel.emit[final] if len(final) else final
     if n_rel:  # output positions: the released held rows come first
         stitched, lost, final = n_rel + stitched, n_rel + lost, n_rel + final
+        rel_pos = np.flatnonzero(released_src >= 0)
+        rel_lost = np.flatnonzero(released_src == RELEASED_LOST)
+        if len(rel_lost):
+            lost = np.concatenate([rel_lost, lost])
+        released_src = released_src[rel_pos]
     for k in obs_keys:
         nk = ("next", *k)
         if obs_only:
             out.tensors[nk] = torch.empty_like(out.tensors[k])
         if len(stitched):
             set_rows(out, nk, stitched, leaves, k, stitched_src)
-        if n_rel:
-            set_rows(out, nk, np.arange(n_rel), leaves, k, released_src)
+        if n_rel and len(rel_pos):
+            set_rows(out, nk, rel_pos, leaves, k, released_src)
         if len(final):
             set_rows(out, nk, final, leaves, final_of[k], final_src)
         if len(lost):

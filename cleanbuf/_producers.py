@@ -49,6 +49,9 @@ def _collector_options(collector: Any) -> tuple[dict, str]:
             "AutoresetFilter.for_env(env) with the env it collects from."
         )
     opts, why = _torchrl_options(env)
+    if getattr(collector, "set_truncated", False) and opts["mode"] == "next_step":
+        opts["set_truncated"] = True
+        why += ", set_truncated=True: batch-end marks"
     if getattr(collector, "compact_obs", False):
         bookkeeping = {"is_init", "step_count"}
         keys = []
