@@ -23,11 +23,13 @@ DTYPES = {"done": torch.bool, "is_init": torch.bool, "step_count": torch.int64,
           "next_step_count": torch.int64, "final_ok": torch.bool}
 
 
-def grid_td(raw, stream_shape, *, final=False, obs_only=False):
+def grid_td(raw, stream_shape, *, final=False, obs_only=False, marks=False):
     """Raw rows of equal-length streams as a TensorDict [*E, T].
 
     ``final`` adds the same-step final-observation entry and its mask;
-    ``obs_only`` leaves out ``("next", "observation")``."""
+    ``obs_only`` leaves out ``("next", "observation")``; ``marks`` adds
+    ``("next", "terminated")`` (the env's own ends) and
+    ``("next", "truncated")`` (the collector's batch-end marks)."""
     steps = len(raw[0])
     td = TensorDict(batch_size=[*stream_shape, steps])
     keys = KEYS | (FINAL_KEYS if final else {})
@@ -37,6 +39,11 @@ def grid_td(raw, stream_shape, *, final=False, obs_only=False):
         vals = [[r[f] for r in rows] for rows in raw]
         t = torch.tensor(vals, dtype=DTYPES.get(f, torch.float32))
         td.set(key, t.reshape(*stream_shape, steps, 1))
+    if marks:
+        mark = torch.tensor([[r["mark"] for r in rows] for rows in raw])
+        done = td.get(("next", "done")).reshape(mark.shape)
+        td.set(("next", "truncated"), mark.reshape(*stream_shape, steps, 1))
+        td.set(("next", "terminated"), (done & ~mark).reshape(*stream_shape, steps, 1))
     td.set("stream", torch.arange(len(raw)).reshape(*stream_shape, 1).expand(*stream_shape, steps).clone())
     return td
 

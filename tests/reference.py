@@ -27,9 +27,12 @@ def reference_clean(rows, *, mode="next_step", obs_only=False, compact=False, fl
     Args:
         rows: the stream's rows in time order: dicts with the keys of
             ``FIELDS`` plus ``joint`` (a next-step done row whose whole reset
-            group was done: no reset row follows) and, for same-step data,
-            ``final`` / ``final_ok`` (the final-observation entry and whether
-            it is there).
+            group was done: no reset row follows), ``mark`` (optional: the
+            row's done flag may be only a collector's batch-end truncation
+            mark) and, for same-step data, ``final`` / ``final_ok`` (the
+            final-observation entry and whether it is there). A row with
+            ``is_init`` that is not the expected reset row restarts the
+            stream (a collector reset).
         mode: "next_step" or "same_step".
         obs_only: the rows' ``next_obs`` is not stored; it comes from the
             next row (or a done row's final entry).
@@ -46,14 +49,32 @@ def reference_clean(rows, *, mode="next_step", obs_only=False, compact=False, fl
     reset_row_next = False
     is_init_next = False
     step_shift = 0
+    marked = None  # a row whose done flag may be only a mark: the next row decides
     for row in rows:
+        ends = row["done"] and not row.get("mark")
+        is_reset_row = reset_row_next and row["reward"] == 0 and not ends
+        if marked is not None:
+            if row["is_init"] and not is_reset_row:
+                # A restart after a mark: the row may have ended (its terminal
+                # observation zero-filled) or not; its next observation is unknown.
+                marked["next_obs"] = NAN
+            out.append(marked)
+            marked = None
+        if row["is_init"] and not is_reset_row:
+            # A restart: the row waiting for this one lost its next observation.
+            if waiting is not None:
+                waiting["next_obs"] = NAN
+                out.append(waiting)
+                waiting = None
+            reset_row_next = is_init_next = False
+            step_shift = 0
         if waiting is not None:
             waiting["next_obs"] = row["obs"]
             out.append(waiting)
             waiting = None
         if reset_row_next:
             # A next-step reset row: it carried the terminal observation; drop it.
-            assert row["reward"] == 0 and not row["done"], "not a reset row"
+            assert is_reset_row, "not a reset row"
             reset_row_next = False
             is_init_next = True  # the next row starts the new episode
             step_shift = 1  # the reset row consumed one step of StepCounter
@@ -65,8 +86,11 @@ def reference_clean(rows, *, mode="next_step", obs_only=False, compact=False, fl
         row["step_count"] -= step_shift
         row["next_step_count"] -= step_shift
         joint, final, final_ok = row.pop("joint"), row.pop("final"), row.pop("final_ok")
-        if row["done"]:
+        if ends:
             step_shift = 0
+        if row["done"] and not ends:
+            marked = row  # kept as stored unless a restart comes next
+            continue
         if compact:
             del row["next_obs"]
             reset_row_next = mode == "next_step" and row["done"] and not joint
@@ -91,11 +115,14 @@ def reference_clean(rows, *, mode="next_step", obs_only=False, compact=False, fl
         if obs_only or flush_lost:
             waiting["next_obs"] = NAN
         out.append(waiting)
+    if marked is not None:  # still undecided at the flush
+        marked["next_obs"] = NAN
+        out.append(marked)
     return out
 
 
 def simulate(rng, n_streams, steps, *, mode="next_step", group=None, zero_fill=True,
-             max_len=6, final_missing=0.0):
+             max_len=6, final_missing=0.0, restart_at=(), mark_every=0):
     """Simulates an auto-resetting producer.
 
     Args:
@@ -112,6 +139,12 @@ def simulate(rng, n_streams, steps, *, mode="next_step", group=None, zero_fill=T
         max_len: longest episode.
         final_missing: same-step only: chance that a done row has no final
             observation.
+        restart_at: steps at which every env is reset by the collector (a
+            restart: a fresh observation ``50_000 + 1000 * e + t``, is_init,
+            step count 0); a reset row due then is discarded with it.
+        mark_every: next-step only: a collector's batch-end mark on every
+            ``mark_every``-th step (done and truncated set on top of what the
+            env said; ``terminated`` keeps the env's own end).
 
     Returns:
         ``(raw, truth)``: per stream, the produced rows and the rows an
@@ -130,13 +163,24 @@ def simulate(rng, n_streams, steps, *, mode="next_step", group=None, zero_fill=T
     for t in range(steps):
         done_now = np.zeros(n_streams, bool)
         truth_now = [None] * n_streams
+        mark = bool(mark_every) and t % mark_every == mark_every - 1
+        if t in restart_at:
+            for e in range(n_streams):
+                if reset_due[e] and zero_fill:
+                    truth[e][-1]["next_obs"] = NAN  # the reset discarded its reset row
+                if _is_mark(raw[e]):
+                    truth[e][-1]["next_obs"] = NAN  # a mark, then a restart: undecidable
+            reset_due[:] = False
+            fresh[:] = True
+            count[:] = 0
+            remaining = rng.integers(1, max_len + 1, n_streams)
         for e in range(n_streams):
-            obs = float(1000 * e + t)
+            obs = float(1000 * e + t) + (50_000 if t in restart_at else 0)
             if reset_due[e]:
                 row = dict(obs=raw[e][-1]["terminal"], next_obs=float(1000 * e + t + 1),
-                           reward=0.0, done=False, is_init=True, step_count=0,
+                           reward=0.0, done=mark, is_init=True, step_count=0,
                            next_step_count=1, payload=float(-obs))
-                raw[e].append(_with_flags(row))
+                raw[e].append(_with_flags(row, mark=mark))
                 reset_due[e] = False
                 fresh[e] = True
                 count[e] = 1
@@ -154,12 +198,13 @@ def simulate(rng, n_streams, steps, *, mode="next_step", group=None, zero_fill=T
             else:
                 stored_next = 0.0 if zero_fill else terminal
             final_ok = mode == "same_step" and done and rng.random() >= final_missing
-            row = dict(obs=obs, next_obs=stored_next, reward=1.0, done=done,
+            row = dict(obs=obs, next_obs=stored_next, reward=1.0, done=done or mark,
                        is_init=bool(fresh[e] and count[e] == 0), step_count=int(count[e]),
                        next_step_count=int(count[e] + 1), payload=float(-obs))
             raw[e].append(_with_flags(row, terminal=terminal,
-                                      final=terminal if final_ok else 0.0, final_ok=final_ok))
-            true_row = dict(obs=obs, next_obs=true_next, reward=1.0, done=done,
+                                      final=terminal if final_ok else 0.0, final_ok=final_ok,
+                                      mark=mark and not done))
+            true_row = dict(obs=obs, next_obs=true_next, reward=1.0, done=done or mark,
                             is_init=bool(fresh[e]), step_count=int(true_count[e]),
                             next_step_count=int(true_count[e] + 1), payload=float(-obs))
             if mode == "same_step" and done and not final_ok:
@@ -188,8 +233,16 @@ def simulate(rng, n_streams, steps, *, mode="next_step", group=None, zero_fill=T
     for e in range(n_streams):
         if reset_due[e] and zero_fill:
             truth[e][-1]["next_obs"] = NAN  # its reset row never arrived: lost at flush
+        if _is_mark(raw[e]):
+            truth[e][-1]["next_obs"] = NAN  # a mark still undecided at the flush
     return raw, truth
 
 
-def _with_flags(row, terminal=None, final=0.0, final_ok=False):
-    return row | dict(joint=False, terminal=terminal, final=final, final_ok=final_ok)
+def _is_mark(rows):
+    """Whether a stream's last row is a mark on a real transition (a mark on a
+    reset row goes with the reset row)."""
+    return bool(rows) and rows[-1]["mark"] and rows[-1]["reward"] != 0
+
+
+def _with_flags(row, terminal=None, final=0.0, final_ok=False, mark=False):
+    return row | dict(joint=False, terminal=terminal, final=final, final_ok=final_ok, mark=mark)

@@ -154,6 +154,41 @@ def test_time_last_random_boundaries(seed, workers, per_worker, steps, joint, in
                   after_call=nothing_held if in_done_row else None)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 4),
+    per_call=st.integers(1, 8),
+    calls=st.integers(1, 6),
+    joint=st.booleans(),
+    marks=st.booleans(),
+    max_len=st.integers(1, 6),
+    data=st.data(),
+)
+def test_restarts_and_marks(seed, n, per_call, calls, joint, marks, max_len, data):
+    """TorchRL collector batches of ``per_call`` steps with collector resets
+    between some of them (every stream restarts), and with or without
+    ``set_truncated`` marks on every batch's last step.
+
+    Bugs caught: a step-count shift or an is_init fix carried across a
+    restart, a done row waiting for the reset row that a restart discarded
+    (its restart row dropped, or ResetRowError), a restart after a mark
+    taken as a reset row, a mark read as an episode end (a continuing row
+    dropped), as a joint reset (a real next observation lost), or as a
+    terminal observation to restitch, a mark on a reset row kept, a mark
+    still undecided at the flush stored as if complete."""
+    rng = np.random.default_rng(seed)
+    steps = per_call * calls
+    restart_at = data.draw(st.sets(st.sampled_from(range(per_call, steps, per_call)))
+                           if calls > 1 else st.just(set()))
+    raw, truth = simulate(rng, n, steps, group=n if joint else None, max_len=max_len,
+                          restart_at=restart_at, mark_every=per_call if marks else 0)
+    td = grid_td(raw, (n,), marks=marks)
+    batches = [td[:, a : a + per_call] for a in range(0, steps, per_call)]
+    filt = AutoresetFilter("next_step", joint_reset=joint, set_truncated=marks)
+    run_and_check(filt, batches, raw, truth, restore_at=data.draw(st.integers(0, len(batches))))
+
+
 MODES = [
     # mode, observation-only, compact
     ("next_step", True, False),
