@@ -14,6 +14,7 @@ from cleanbuf._clean import clean
 from cleanbuf._rows import step_rows
 from cleanbuf._errors import (
     CleanbufError,
+    ContinuityError,
     InputError,
     LayoutError,
     ResetRowError,
@@ -24,6 +25,7 @@ from cleanbuf._transform import AutoresetFilter
 __all__ = [
     "AutoresetFilter",
     "CleanbufError",
+    "ContinuityError",
     "InputError",
     "LayoutError",
     "ResetRowError",

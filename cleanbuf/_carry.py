@@ -20,6 +20,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from cleanbuf._continuity import LastRows
 from cleanbuf._errors import InputError
 from cleanbuf._kernels import MARKED, NEED_INIT, PENDING, SHIFT, WAITING
 
@@ -69,6 +70,7 @@ class Carry:
     per_stream: np.ndarray = dataclasses.field(default_factory=no_streams)
     held: dict = dataclasses.field(default_factory=dict)  # key -> tensor [H, ...]
     held_stream: np.ndarray = _empty(np.int64)
+    last: LastRows = dataclasses.field(default_factory=LastRows)  # for the continuity check
 
     @property
     def n_streams(self) -> int:
@@ -97,6 +99,8 @@ class Carry:
             "stream_ids": None if self.stream_ids is None else torch.from_numpy(self.stream_ids.copy()),
             "held": {k: v.clone() for k, v in self.held.items()},
             "held_stream": torch.from_numpy(self.held_stream.copy()),
+            "last_next": {k: torch.as_tensor(v).clone() for k, v in self.last.next_obs.items()},
+            "last_open": torch.from_numpy(self.last.open.copy()),
         }
         for name, (row, dtype) in _PER_STREAM.items():
             state[name] = torch.from_numpy(self.per_stream[row].astype(dtype))
@@ -123,5 +127,9 @@ class Carry:
             stream_ids=None if ids is None else ids.numpy().copy(),
             held={tuple(k): v.clone() for k, v in state["held"].items()},
             held_stream=state["held_stream"].numpy().copy(),
+            last=LastRows(
+                {tuple(k): v.clone() for k, v in state.get("last_next", {}).items()},
+                state["last_open"].numpy().copy() if "last_open" in state else np.zeros(0, np.bool_),
+            ),
             per_stream=per_stream,
         )

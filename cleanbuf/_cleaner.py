@@ -17,6 +17,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf import _kernels
 from cleanbuf._carry import Carry
+from cleanbuf._continuity import LastRows
 from cleanbuf._errors import (
     InputError,
     LayoutError,
@@ -136,6 +137,8 @@ class Cleaner:
             self._check_held_schema(moved, bd)
         n_streams = layout.n_streams
         carry = self._carry.grown(n_streams) if n_streams > self._carry.n_streams else self._carry
+        restart = self._restart_rows(views, n)
+        last = self._continuity(views, obs_keys, obs_only, layout, done, restart)
         if not (obs_only and stitch) and not np.count_nonzero(done) and self._nothing_pending(
                 carry, leaves):
             # No episode end, no row waiting, no fix pending: the rows are clean
@@ -145,9 +148,9 @@ class Cleaner:
             if np.count_nonzero(carry.per_stream[NEED_INIT]):
                 carry.per_stream = carry.per_stream.copy()
                 carry.per_stream[NEED_INIT] = 0
+            carry.last = last
             self._carry = carry
             return self._pass_through(views, moved, layout, done, td.device)
-        restart = self._restart_rows(views, n)
         mark = self._mark_rows(views, layout, done, restart)
         planned = _kernels.plan_rows(
             n, layout.steps, layout.stream, done,
@@ -189,6 +192,7 @@ class Cleaner:
         # Commit: nothing below raises. (The kernel returned a fresh carry array,
         # so until here the old state was untouched.)
         carry.per_stream = per_stream
+        carry.last = last
         if len(carry.held_stream) or len(hold):
             kept_old = released_src[carry.held_stream] == -1
             carry.held = _cat_held(carry.held, kept_old, new_held)
@@ -402,6 +406,18 @@ class Cleaner:
             done = done & ~mark
         d = done.reshape(n_streams // group, group, layout.steps)
         return (d & d.all(axis=1, keepdims=True)).reshape(-1)
+
+    def _continuity(self, views: Views, obs_keys: list, obs_only: bool, layout: CallLayout,
+                    done: np.ndarray, restart: np.ndarray) -> LastRows:
+        """Checks that the call continues the streams of the calls before it
+        (:mod:`cleanbuf._continuity`); returns the call's last rows, to
+        commit. Time-aligned full transitions only: other calls keep what
+        they had."""
+        old = self._carry.last
+        if obs_only or layout.kind == "stream_key" or not self.options.check_continuity:
+            return old
+        old.check(views, obs_keys, layout.steps, restart)
+        return LastRows.of_call(views, obs_keys, layout.steps, done)
 
     def _restart_rows(self, leaves: Views, n_rows: int) -> np.ndarray:
         """Per row, whether it comes after a real reset of its env: ``is_init``

@@ -26,3 +26,7 @@ class ResetRowError(CleanbufError):
 
 class TerminalObservationLostError(CleanbufError):
     """A terminal observation is lost and the policy says to raise (or none was chosen)."""
+
+
+class ContinuityError(CleanbufError):
+    """A call's rows do not continue the streams of the calls before it."""

@@ -82,6 +82,7 @@ class Options:
     keep_final_obs: bool = False
     compact: bool = False
     set_truncated: bool = False
+    check_continuity: bool = True
 
     def as_dict(self) -> dict:
         """The options as plain Python values (for a state dict).
