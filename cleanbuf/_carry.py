@@ -71,11 +71,18 @@ class Carry:
     held: dict = dataclasses.field(default_factory=dict)  # key -> tensor [H, ...]
     held_stream: np.ndarray = _empty(np.int64)
     last: LastRows = dataclasses.field(default_factory=LastRows)  # for the continuity check
+    traj_ids: np.ndarray = _empty(np.int64)  # producer_key: the last rows' trajectory ids
 
     @property
     def n_streams(self) -> int:
         """The streams the state covers."""
         return self.per_stream.shape[1]
+
+    def is_blank(self) -> bool:
+        """Whether nothing carries over: no held row, no flag, every stream's
+        last row done (a new carry is blank)."""
+        return not (len(self.held_stream) or np.count_nonzero(self.per_stream)
+                    or np.count_nonzero(self.last.open))
 
     def grown(self, n_streams: int) -> "Carry":
         """A shallow copy whose per-stream state covers ``n_streams`` streams.
@@ -101,6 +108,7 @@ class Carry:
             "held_stream": torch.from_numpy(self.held_stream.copy()),
             "last_next": {k: torch.as_tensor(v).clone() for k, v in self.last.next_obs.items()},
             "last_open": torch.from_numpy(self.last.open.copy()),
+            "traj_ids": torch.from_numpy(self.traj_ids.copy()),
         }
         for name, (row, dtype) in _PER_STREAM.items():
             state[name] = torch.from_numpy(self.per_stream[row].astype(dtype))
@@ -131,5 +139,6 @@ class Carry:
                 {tuple(k): v.clone() for k, v in state.get("last_next", {}).items()},
                 state["last_open"].numpy().copy() if "last_open" in state else np.zeros(0, np.bool_),
             ),
+            traj_ids=state["traj_ids"].numpy().copy() if "traj_ids" in state else np.zeros(0, np.int64),
             per_stream=per_stream,
         )

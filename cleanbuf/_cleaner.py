@@ -98,6 +98,9 @@ class Cleaner:
     def __init__(self, options: Options):
         self.options = options
         self._carry = Carry()
+        # With producer_key: one carry per producer (worker); self._carry is
+        # the one of the producer of the call in progress.
+        self._groups: list[Carry] = []
         self._stats = dict.fromkeys(STAT_NAMES, 0)
         self._pool = BufferPool()
         self._layouts: dict = {}  # (batch size, names) -> CallLayout, for the fixed layouts
@@ -111,6 +114,50 @@ class Cleaner:
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         """Cleans one call's batch; returns the rows to store, flat ``[M]``."""
+        if self.options.producer_key is None:
+            return self._clean(td)
+        group, last_ids = self._producer_of(td)
+        self._carry = self._groups[group] if group < len(self._groups) else Carry()
+        out = self._clean(td)  # commits into self._carry, or raises having changed nothing
+        self._carry.traj_ids = last_ids
+        if group == len(self._groups):
+            self._groups.append(self._carry)
+        self._groups[group] = self._carry
+        self._stats["rows_held"] = sum(len(c.held_stream) for c in self._groups)
+        return out
+
+    def _producer_of(self, td: TensorDictBase) -> tuple[int, np.ndarray]:
+        """Which producer's streams a batch continues (``producer_key``), and the
+        trajectory ids of its last rows.
+
+        A trajectory id belongs to one stream of one producer (TorchRL draws
+        them from one pool for all workers), so a batch whose first row of
+        any stream carries the id of a producer's last row continues that
+        producer. A batch that continues none is a producer's first, or
+        every stream of its producer ended (or restarted) at the batch
+        boundary: then any producer whose streams all ended, with nothing
+        held, pending or open, is as good as a new one.
+        """
+        key = self.options.producer_key
+        if td.batch_dims < 2 or key not in td.keys(include_nested=True):
+            raise InputError(
+                f"producer_key={key!r} needs [*E, T] batches holding that key (TorchRL's "
+                f"trajectory ids); got batch_size={list(td.batch_size)} and keys "
+                f"{sorted(td.keys(True, True), key=str)}. Extend the buffer with the "
+                "collector's batches as they come."
+            )
+        ids = td.get(key).reshape(*td.batch_size).reshape(-1, td.batch_size[-1])
+        first, last = ids[:, 0].cpu().numpy(), ids[:, -1].cpu().numpy()
+        for g, carry in enumerate(self._groups):
+            if len(carry.traj_ids) == len(first) and np.any(carry.traj_ids == first):
+                return g, last
+        for g, carry in enumerate(self._groups):
+            if carry.is_blank():
+                return g, last
+        return len(self._groups), last
+
+    def _clean(self, td: TensorDictBase) -> TensorDictBase:
+        """Cleans one batch against ``self._carry``; commits only on success."""
         opts = self.options
         if not isinstance(td, TensorDictBase):
             raise InputError(
@@ -215,6 +262,9 @@ class Cleaner:
     def flush(self) -> TensorDictBase:
         """Returns the held rows (flat ``[H]``) and forgets them.
 
+        With ``producer_key``, every producer's held rows, producer after
+        producer.
+
         A held row waits for the row after it: the reset row holding its
         terminal observation (next-step data), or its successor
         (observation-only data). At a flush that row will not come. A done
@@ -225,6 +275,18 @@ class Cleaner:
         ``next_obs_missing`` for the others). A reset row arriving after a
         flush is still recognised and dropped.
         """
+        if self.options.producer_key is None:
+            return self._flush_carry()
+        outs = []
+        for g, carry in enumerate(self._groups):
+            self._carry = carry
+            outs.append(self._flush_carry())
+            self._groups[g] = self._carry
+        outs = [o for o in outs if o.batch_size[0]]
+        return torch.cat(outs) if outs else TensorDict({}, batch_size=[0])
+
+    def _flush_carry(self) -> TensorDictBase:
+        """:meth:`flush` of ``self._carry``."""
         opts, carry = self.options, self._carry
         n_held = len(carry.held_stream)
         if n_held == 0:
@@ -266,7 +328,10 @@ class Cleaner:
 
     def state_dict(self) -> dict:
         """The carry state, counters and options, as tensors and plain Python values."""
-        return {**self._carry.state_dict(), "stats": self.stats, "options": self.options.as_dict()}
+        state = {**self._carry.state_dict(), "stats": self.stats, "options": self.options.as_dict()}
+        if self.options.producer_key is not None:
+            state["producers"] = [c.state_dict() for c in self._groups]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restores what :meth:`state_dict` returned.
@@ -288,7 +353,8 @@ class Cleaner:
                     "Build the filter with the options it was saved with (or the same "
                     "for_env producer) before loading it."
                 )
-        self._carry = carry
+        groups = [Carry.from_state_dict(g) for g in state.get("producers", ())]
+        self._carry, self._groups = carry, groups
         self._stats = dict.fromkeys(STAT_NAMES, 0) | {k: int(v) for k, v in state["stats"].items()}
 
     # ------------------------------------------------------------ internals

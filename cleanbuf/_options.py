@@ -83,6 +83,7 @@ class Options:
     compact: bool = False
     set_truncated: bool = False
     check_continuity: bool = True
+    producer_key: tuple | None = None
 
     def as_dict(self) -> dict:
         """The options as plain Python values (for a state dict).
@@ -192,7 +193,13 @@ class Options:
                 f"joint_reset=True describes next-step data (TorchRL's joint reset); "
                 f"it does not go with mode={mode!r}."
             )
-        for name in ("done_key", "reward_key", "is_init_key", "step_count_key", "final_obs_key"):
+        if kwargs.get("producer_key") is not None and layout not in (None, "time_last"):
+            raise CleanbufError(
+                f"producer_key= tells apart producers of [*E, T] batches (a "
+                f"MultiAsyncCollector's workers); it does not go with layout={layout!r}."
+            )
+        for name in ("done_key", "reward_key", "is_init_key", "step_count_key", "final_obs_key",
+                     "producer_key"):
             if name in kwargs:
                 kwargs[name] = _key(kwargs[name])
         return cls(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from cleanbuf._errors import CleanbufError
@@ -39,30 +40,85 @@ def _is_sb3_vec_env(env: Any) -> bool:
     )
 
 
+# TorchRL's trajectory ids: one id per trajectory, from one pool shared by
+# every worker of a multi-process collector.
+TRAJ_IDS = ("collector", "traj_ids")
+_BOOKKEEPING = {"is_init", "step_count"}
+
+
 def _collector_options(collector: Any) -> tuple[dict, str]:
-    """A TorchRL collector: its env's options, plus observation-only data when
-    it was built with ``compact_obs=True``."""
-    env = getattr(collector, "env", None)
-    if env is None:
-        raise CleanbufError(
-            f"cannot find the env of {type(collector).__name__}; call "
-            "AutoresetFilter.for_env(env) with the env it collects from."
-        )
-    opts, why = _torchrl_options(env)
+    """A TorchRL collector: its env's options; a multi-process collector's
+    workers, each its own reset group; batch-end marks with
+    ``set_truncated=True``; observation-only data with ``compact_obs=True``."""
+    from torchrl.collectors import MultiCollector
+
+    if isinstance(collector, MultiCollector):
+        opts, why, obs_keys = _multi_collector_options(collector)
+    else:
+        env = getattr(collector, "env", None)
+        if env is None:
+            raise CleanbufError(
+                f"cannot find the env of {type(collector).__name__}; call "
+                "AutoresetFilter.for_env(env) with the env it collects from."
+            )
+        opts, why = _torchrl_options(env)
+        obs_keys = []
+        for k in getattr(collector, "_compact_next_keys", ()):
+            root = k[1:] if len(k) > 2 else k[1]
+            name = root[-1] if isinstance(root, tuple) else root
+            if name not in _BOOKKEEPING and root not in obs_keys:
+                obs_keys.append(root)
     if getattr(collector, "set_truncated", False) and opts["mode"] == "next_step":
         opts["set_truncated"] = True
         why += ", set_truncated=True: batch-end marks"
     if getattr(collector, "compact_obs", False):
-        bookkeeping = {"is_init", "step_count"}
-        keys = []
-        for k in getattr(collector, "_compact_next_keys", ()):
-            root = k[1:] if len(k) > 2 else k[1]
-            name = root[-1] if isinstance(root, tuple) else root
-            if name not in bookkeeping and root not in keys:
-                keys.append(root)
-        opts["observation_keys"] = keys
+        opts["observation_keys"] = obs_keys
         why += ", compact_obs=True: observation-only rows"
     return opts, why
+
+
+def _multi_collector_options(collector: Any) -> tuple[dict, str, list]:
+    """``MultiSyncCollector`` / ``MultiAsyncCollector``: the options of the
+    first worker's env (a probe is built once), with each worker its own
+    reset group. The batches a ``MultiAsyncCollector`` yields come from one
+    worker at a time; the filter tells the workers apart by trajectory ids.
+
+    Returns:
+        ``(options, reason, observation keys of the worker env)``.
+    """
+    from torchrl.collectors import MultiAsyncCollector
+    from torchrl.envs import EnvBase
+
+    fn = collector.create_env_fn[0]
+    kwargs = collector.create_env_kwargs[0] if collector.create_env_kwargs else {}
+    probe = fn if isinstance(fn, EnvBase) else fn(**kwargs)
+    try:
+        opts, why = _torchrl_options(probe)
+        worker_shape = tuple(probe.batch_size)
+        obs_keys = [k if isinstance(k, tuple) else (k,)
+                    for k in probe.observation_spec.keys(True, True)]
+        obs_keys = [k for k in obs_keys if k[-1] not in _BOOKKEEPING]
+    finally:
+        if probe is not fn:
+            probe.close()
+    n_workers = collector.num_workers
+    name = type(collector).__name__
+    if opts.get("joint_reset") and opts.get("reset_group_size") is None:
+        opts["reset_group_size"] = int(math.prod(worker_shape))  # a worker resets its own envs
+    why = f"{name} of {n_workers} workers: {why}"
+    if isinstance(collector, MultiAsyncCollector) and n_workers > 1 and opts["mode"] != "disabled":
+        if getattr(collector, "replay_buffer", None) is None:
+            if collector.reset_at_each_iter:
+                raise CleanbufError(
+                    f"{name}(reset_at_each_iter=True) restarts every worker's streams at every "
+                    "batch, with new trajectory ids, so a batch extended from the parent "
+                    "cannot be matched to its worker's earlier streams. Give the collector "
+                    "the buffer instead (replay_buffer=rb, with the filter built by "
+                    "AutoresetFilter.for_env(env)): each worker then cleans its own streams."
+                )
+            opts["producer_key"] = TRAJ_IDS
+            why += ", one worker's batch at a time, told apart by trajectory ids"
+    return opts, why, obs_keys
 
 
 def _torchrl_options(env: Any) -> tuple[dict, str]:

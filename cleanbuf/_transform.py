@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from tensordict import TensorDictBase
+import torch
+from tensordict import TensorDict, TensorDictBase
 from torchrl.envs.transforms import Transform
 
-from cleanbuf._cleaner import Cleaner
+from cleanbuf._cleaner import STAT_NAMES, Cleaner
+from cleanbuf._copies import CopyStates, new_copy_name
 from cleanbuf._options import Options
+from cleanbuf._producers import TRAJ_IDS
+
+
+def _is_storage_init(td: TensorDictBase) -> bool:
+    """Whether ``td`` is the batch a TorchRL multi-process collector writes to
+    initialise the buffer's storage before its workers start (all zeros, one
+    step, trajectory ids included), and removes right after with
+    ``rb.empty()``."""
+    if not td.batch_dims or td.batch_size[-1] != 1 or TRAJ_IDS not in td.keys(True, True):
+        return False
+    return not any(v.any() for v in td.values(True, True))
 
 
 class AutoresetFilter(Transform):
@@ -141,6 +155,8 @@ class AutoresetFilter(Transform):
         self._cleaner = Cleaner(Options.build(mode, **options))
         self._bypass = False
         self._origin = None
+        self._copies: CopyStates | None = None  # set once the buffer is shared
+        self._copy: tuple | None = None  # (pid, name) of this copy, once it published
 
     @classmethod
     def for_env(cls, env: Any, **overrides: Any) -> "AutoresetFilter":
@@ -181,8 +197,41 @@ class AutoresetFilter(Transform):
         """Counters: ``rows_in``, ``rows_out``, ``reset_rows_dropped``,
         ``next_obs_restitched``, ``terminal_obs_missing``,
         ``next_obs_missing``, ``lost_rows_dropped``, ``rows_held``,
-        ``episodes_completed``."""
-        return self._cleaner.stats
+        ``episodes_completed``; plain Python ints.
+
+        Once the buffer is shared with worker processes (a multi-process
+        collector given the buffer), the sums over every copy of the filter,
+        as each last published its state (after each of its calls)."""
+        if self._copies is None:
+            return self._cleaner.stats
+        total = dict.fromkeys(STAT_NAMES, 0)
+        for state in self._copies.load().values():
+            for k, v in state["stats"].items():
+                total[k] += int(v)
+        return total
+
+    def share_memory_(self) -> "AutoresetFilter":
+        """Called by TorchRL when the buffer is shared with worker processes.
+
+        From then on every copy of the filter (one per worker that extends
+        the buffer) publishes its state after each call, so that
+        :attr:`stats` sums them and :meth:`flush` stores what every copy
+        holds. Returns the filter.
+        """
+        if self._copies is None:
+            self._copies = CopyStates()
+            self._publish()
+        return self
+
+    def _publish(self) -> None:
+        pid = os.getpid()
+        if self._copy is None or self._copy[0] != pid:
+            self._copy = (pid, new_copy_name())
+        self._copies.publish(self._copy[1], self._cleaner.state_dict())
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._copy = None  # a copy publishes under its own name
 
     def flush(self, rb: Any = None) -> TensorDictBase | None:
         """Releases the held rows, at the end of collection.
@@ -196,21 +245,48 @@ class AutoresetFilter(Transform):
         Returns:
             The held rows (flat), or None when written to ``rb``.
         """
+        if self._copies is not None:
+            return self._flush_copies(rb)
         if rb is None:
             return self._cleaner.flush()
         state = self._cleaner.state_dict()
         rows = self._cleaner.flush()
         if rows.batch_size[0] == 0:
             return None
-        self._bypass = True
         try:
-            rb.extend(rows)
+            self._extend_bypassing(rb, rows)
         except BaseException:
             self._cleaner.load_state_dict(state)
             raise
+        return None
+
+    def _extend_bypassing(self, rb: Any, rows: TensorDictBase) -> None:
+        self._bypass = True
+        try:
+            rb.extend(rows)
         finally:
             self._bypass = False
-        return None
+
+    def _flush_copies(self, rb: Any) -> TensorDictBase | None:
+        """:meth:`flush` of every copy's last published state (the buffer is
+        shared): their held rows, in one write; each copy's state then shows
+        them stored. Call it once the workers are done (after the
+        collector's ``shutdown()``): a worker still running would publish
+        its state again, held rows included."""
+        self._publish()
+        cleaners = {}
+        for name, state in self._copies.load().items():
+            cleaners[name] = Cleaner(self.options)
+            cleaners[name].load_state_dict(state)
+        parts = [c.flush() for c in cleaners.values()]
+        parts = [p for p in parts if p.batch_size[0]]
+        rows = torch.cat(parts) if parts else TensorDict({}, batch_size=[0])
+        if rb is not None and rows.batch_size[0]:
+            self._extend_bypassing(rb, rows)  # raises before any state is rewritten
+        for name, cleaner in cleaners.items():
+            self._copies.publish(name, cleaner.state_dict())
+        self._cleaner = cleaners[self._copy[1]]
+        return None if rb is not None else rows
 
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
         if self._bypass:
@@ -220,7 +296,14 @@ class AutoresetFilter(Transform):
                 "AutoresetFilter is a replay-buffer transform: put it in "
                 "ReplayBuffer(transform=...), not in an environment."
             )
-        out = self._cleaner(tensordict)
+        if _is_storage_init(tensordict):
+            # Shaped as the filter's rows, so the storage is laid out for them;
+            # TorchRL empties the buffer right after: nothing is counted or kept.
+            out = Cleaner(self.options)(tensordict)
+        else:
+            out = self._cleaner(tensordict)
+            if self._copies is not None:
+                self._publish()
         # ReplayBuffer.extend / add store nothing for None (their writers
         # reject an empty batch).
         return out if out.batch_size[0] else None
@@ -232,10 +315,24 @@ class AutoresetFilter(Transform):
         return next_tensordict
 
     def get_extra_state(self) -> dict:
-        return self._cleaner.state_dict()
+        state = self._cleaner.state_dict()
+        if self._copies is not None:  # every other copy's state too
+            self._publish()
+            own = self._copy[1]
+            state["copies"] = [s for n, s in self._copies.load().items() if n != own]
+        return state
 
     def set_extra_state(self, state: dict) -> None:
+        copies = state.get("copies", [])
+        for copy_state in copies:  # refuse a bad state before changing anything
+            Cleaner(self.options).load_state_dict(copy_state)
         self._cleaner.load_state_dict(state)
+        if copies and self._copies is None:
+            self._copies = CopyStates()
+        for copy_state in copies:
+            self._copies.publish(new_copy_name(), copy_state)
+        if self._copies is not None:
+            self._publish()
 
     def __repr__(self) -> str:
         o = self.options

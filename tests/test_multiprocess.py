@@ -1,0 +1,135 @@
+"""Multi-process TorchRL collectors: every worker's streams cleaned, one view of the state.
+
+Two workers, each a ``GymEnv("CartPole-v1", num_envs=2)``; the same
+collector over explicit-reset envs is the oracle (TorchRL seeds the workers
+and their envs the same way in both runs). Cleaned streams are matched to
+the oracle's by their first observation, since the buffer holds the workers'
+rows in whatever order they arrived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+from cleanbuf import AutoresetFilter, ContinuityError
+from cleanbuf._oracle import compare_streams, streams_from_rows
+from tests.invariants import check_invariants
+from tests.workers import ENVS_PER_WORKER, STREAM, oracle_env, push_left, worker_env
+
+WORKERS, T, BATCHES = 2, 16, 8
+OBS = ["observation"]  # env_id (see StreamId) is no observation to restitch
+FRAMES = WORKERS * ENVS_PER_WORKER * T
+
+
+@contextlib.contextmanager
+def _collector(cls, make_env, frames=FRAMES, **kwargs):
+    """A seeded collector, shut down however the test ends (a worker left
+    running keeps the test process alive)."""
+    collector = cls([make_env] * WORKERS, push_left, frames_per_batch=frames,
+                    total_frames=FRAMES * BATCHES, **kwargs)
+    try:
+        collector.set_seed(0)
+        yield collector
+    finally:
+        collector.shutdown()
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """The explicit-reset run: per stream, keyed by its first observation."""
+    with _collector(MultiSyncCollector, oracle_env) as collector:
+        batches = [b.clone() for b in collector]
+    rows = torch.cat([b.reshape(-1, b.shape[-1]) for b in batches], dim=1)
+    return _by_first_obs({i: rows[i] for i in range(rows.shape[0])})
+
+
+def _by_first_obs(streams):
+    return {tuple(s["observation"][0].tolist()): s.exclude(STREAM, ("next", STREAM))
+            for s in streams.values()}
+
+
+def _check(filt, rb, oracle):
+    """The buffer against the oracle, stream by stream, and the summed stats."""
+    stats = filt.stats
+    rows = rb[: len(rb)]
+    cleaned = _by_first_obs(streams_from_rows(rows))
+    assert len(cleaned) == WORKERS * ENVS_PER_WORKER
+    n_lost = compare_streams(cleaned, oracle, min_rows=T * BATCHES // 4)
+    assert stats["reset_rows_dropped"] > 0
+    assert n_lost <= stats["terminal_obs_missing"]
+    assert stats["rows_held"] == 0
+    check_invariants(rows, stats, len(rb))
+    return stats
+
+
+@pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector])
+def test_workers_extend_the_buffer(cls, oracle):
+    """The collector is given the buffer: each worker cleans its own streams
+    through its own copy of the filter. Bugs caught: the parent's stats
+    reading 0 rows (the copies' counts never seen), flush storing nothing
+    while the copies hold done rows at shutdown (rows lost without a count),
+    TorchRL's all-zero storage-initialisation batch counted or kept as
+    state, a copy's rows cleaned against another copy's streams."""
+    filt = AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
+    rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
+    with _collector(cls, worker_env, replay_buffer=rb) as collector:
+        for _ in collector:
+            pass
+    before = filt.stats
+    assert before["rows_in"] > 0, "the copies' counts are not seen from the parent"
+    filt.flush(rb)
+    stats = _check(filt, rb, oracle)
+    assert stats["rows_out"] - before["rows_out"] == before["rows_held"]
+    filt.flush(rb)  # nothing left: stored once
+    assert filt.stats == stats and len(rb) == stats["rows_out"]
+
+
+def test_multi_sync_from_the_parent(oracle):
+    """for b in MultiSyncCollector(...): rb.extend(b), batches [W, E, T]. Bugs
+    caught: for_env(collector) not finding the env, the joint reset judged
+    over all W * E streams instead of each worker's E (ResetRowError at the
+    second batch, or a joint reset missed)."""
+    with _collector(MultiSyncCollector, worker_env) as collector:
+        filt = AutoresetFilter.for_env(collector, observation_keys=OBS)
+        assert filt.options.reset_group_size == ENVS_PER_WORKER
+        rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
+        for batch in collector:
+            rb.extend(batch)
+    filt.flush(rb)
+    _check(filt, rb, oracle)
+
+
+def test_multi_async_from_the_parent(oracle):
+    """for b in MultiAsyncCollector(...): rb.extend(b): [E, T] batches from one
+    worker at a time. Bugs caught: both workers taken for the same streams
+    (another worker's step-count fix, another worker's observation stored as
+    a terminal observation), a worker's first batch merged into another's
+    streams."""
+    with _collector(MultiAsyncCollector, worker_env, frames=FRAMES // WORKERS) as collector:
+        filt = AutoresetFilter.for_env(collector, observation_keys=OBS)
+        assert filt.options.producer_key == ("collector", "traj_ids")
+        rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
+        for batch in collector:
+            rb.extend(batch)
+    filt.flush(rb)
+    _check(filt, rb, oracle)
+
+
+def test_multi_async_with_one_workers_filter_is_refused():
+    """The configuration the old error message recommended: a filter built
+    for one worker's env, fed the batches of all workers in turn. Bug
+    caught: another worker's batch glued onto the streams (the continuity
+    check must refuse it before anything is written)."""
+    filt = AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
+    rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
+    with _collector(MultiAsyncCollector, worker_env, frames=FRAMES // WORKERS) as collector:
+        with pytest.raises(ContinuityError, match="another producer"):
+            for batch in collector:
+                n, stats = len(rb), filt.stats
+                rb.extend(batch)
+    assert len(rb) == n and filt.stats == stats
