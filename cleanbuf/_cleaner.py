@@ -18,7 +18,9 @@ from tensordict import TensorDict, TensorDictBase
 from cleanbuf import _kernels
 from cleanbuf._carry import Carry
 from cleanbuf._continuity import LastRows
+from cleanbuf._retry import Fingerprint, SameBatchAgain, Undo
 from cleanbuf._errors import (
+    CleanbufError,
     InputError,
     LayoutError,
     ResetRowError,
@@ -101,6 +103,8 @@ class Cleaner:
         # With producer_key: one carry per producer (worker); self._carry is
         # the one of the producer of the call in progress.
         self._groups: list[Carry] = []
+        self._undo: Undo | None = None  # before the last call (see __call__)
+        self._fingerprint: Fingerprint | None = None  # of the call in progress
         self._stats = dict.fromkeys(STAT_NAMES, 0)
         self._pool = BufferPool()
         self._layouts: dict = {}  # (batch size, names) -> CallLayout, for the fixed layouts
@@ -113,7 +117,40 @@ class Cleaner:
         return {k: int(v) for k, v in self._stats.items()}
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        """Cleans one call's batch; returns the rows to store, flat ``[M]``."""
+        """Cleans one call's batch; returns the rows to store, flat ``[M]``.
+
+        A batch that comes again right after its call (its write into the
+        buffer failed, :mod:`cleanbuf._retry`) is cleaned as if that call
+        had not happened: the rows it released come again.
+        """
+        undo = Undo.of(self)
+        try:
+            out = self._call_once(td)
+        except (SameBatchAgain, CleanbufError) as err:
+            # The last call's batch again (recognised by its trajectory ids, or
+            # by its observations once it fails to follow the streams).
+            again = self._undo is not None and (
+                isinstance(err, SameBatchAgain) or self._undo.same_batch(self._fingerprint))
+            if not again:
+                raise
+            last, self._undo = self._undo, None
+            last.restore(self)
+            retry = Undo.of(self)
+            try:
+                out = self._call_once(td)
+            except CleanbufError:
+                undo.restore(self)  # as before this call, which changes nothing
+                self._undo = last
+                if isinstance(err, SameBatchAgain):
+                    raise
+                raise err from None
+            undo = retry
+        undo.fingerprint = self._fingerprint
+        self._undo = undo
+        return out
+
+    def _call_once(self, td: TensorDictBase) -> TensorDictBase:
+        self._fingerprint = None
         if self.options.producer_key is None:
             return self._clean(td)
         group, last_ids = self._producer_of(td)
@@ -148,6 +185,8 @@ class Cleaner:
             )
         ids = td.get(key).reshape(*td.batch_size).reshape(-1, td.batch_size[-1])
         first, last = ids[:, 0].cpu().numpy(), ids[:, -1].cpu().numpy()
+        if self._undo is not None and Fingerprint(True, {key: first}).same(self._undo.fingerprint):
+            raise SameBatchAgain
         for g, carry in enumerate(self._groups):
             if len(carry.traj_ids) == len(first) and np.any(carry.traj_ids == first):
                 return g, last
@@ -275,6 +314,7 @@ class Cleaner:
         ``next_obs_missing`` for the others). A reset row arriving after a
         flush is still recognised and dropped.
         """
+        self._undo = None  # a flush is no call to repeat
         if self.options.producer_key is None:
             return self._flush_carry()
         outs = []
@@ -354,7 +394,7 @@ class Cleaner:
                     "for_env producer) before loading it."
                 )
         groups = [Carry.from_state_dict(g) for g in state.get("producers", ())]
-        self._carry, self._groups = carry, groups
+        self._carry, self._groups, self._undo = carry, groups, None
         self._stats = dict.fromkeys(STAT_NAMES, 0) | {k: int(v) for k, v in state["stats"].items()}
 
     # ------------------------------------------------------------ internals
@@ -476,13 +516,18 @@ class Cleaner:
     def _continuity(self, views: Views, obs_keys: list, obs_only: bool, layout: CallLayout,
                     done: np.ndarray, restart: np.ndarray) -> LastRows:
         """Checks that the call continues the streams of the calls before it
-        (:mod:`cleanbuf._continuity`); returns the call's last rows, to
-        commit. Time-aligned full transitions only: other calls keep what
-        they had."""
+        (:mod:`cleanbuf._continuity`) and is not the last call's batch again
+        (:mod:`cleanbuf._retry`); returns the call's last rows, to commit.
+        Time-aligned full transitions only: other calls keep what they had."""
         old = self._carry.last
-        if obs_only or layout.kind == "stream_key" or not self.options.check_continuity:
+        if obs_only or layout.kind == "stream_key":
             return old
-        old.check(views, obs_keys, layout.steps, restart)
+        fingerprint = self._fingerprint = Fingerprint.of_call(views, obs_keys, layout.steps)
+        undo = self._undo
+        if undo is not None and fingerprint.exact and fingerprint.same(undo.fingerprint):
+            raise SameBatchAgain
+        if self.options.check_continuity:
+            old.check(views, obs_keys, layout.steps, restart)
         return LastRows.of_call(views, obs_keys, layout.steps, done)
 
     def _restart_rows(self, leaves: Views, n_rows: int) -> np.ndarray:

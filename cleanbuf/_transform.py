@@ -10,6 +10,8 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.envs.transforms import Transform
 
 from cleanbuf._cleaner import STAT_NAMES, Cleaner
+from cleanbuf._compat import calling_replay_buffer
+from cleanbuf._errors import LayoutError
 from cleanbuf._copies import CopyStates, new_copy_name
 from cleanbuf._options import Options
 from cleanbuf._producers import TRAJ_IDS
@@ -157,6 +159,7 @@ class AutoresetFilter(Transform):
         self._origin = None
         self._copies: CopyStates | None = None  # set once the buffer is shared
         self._copy: tuple | None = None  # (pid, name) of this copy, once it published
+        self._storage_checked = False  # the buffer's storage takes flat rows (checked once)
 
     @classmethod
     def for_env(cls, env: Any, **overrides: Any) -> "AutoresetFilter":
@@ -296,6 +299,8 @@ class AutoresetFilter(Transform):
                 "AutoresetFilter is a replay-buffer transform: put it in "
                 "ReplayBuffer(transform=...), not in an environment."
             )
+        if not self._storage_checked:
+            self._check_storage()
         if _is_storage_init(tensordict):
             # Shaped as the filter's rows, so the storage is laid out for them;
             # TorchRL empties the buffer right after: nothing is counted or kept.
@@ -307,6 +312,24 @@ class AutoresetFilter(Transform):
         # ReplayBuffer.extend / add store nothing for None (their writers
         # reject an empty batch).
         return out if out.batch_size[0] else None
+
+    def _check_storage(self) -> None:
+        """Refuses a buffer whose storage has more than one batch dimension: the
+        filter's output is flat rows, which TorchRL cannot write there (it
+        fails after the filter has moved on)."""
+        rb = calling_replay_buffer()
+        storage = getattr(rb, "storage", None) if rb is not None else None
+        ndim = getattr(storage, "ndim", 1)
+        if ndim > 1:
+            raise LayoutError(
+                f"the buffer's storage has ndim={ndim} ({type(storage).__name__}), but "
+                "AutoresetFilter stores flat rows (each episode's reset rows are gone, so the "
+                "[E, T] shape of a batch cannot be kept). Build the storage with ndim=1 (the "
+                "default): the rows keep their ('collector', 'traj_ids'), and a SliceSampler "
+                "with traj_key=('collector', 'traj_ids') samples sequences from them. "
+                "Nothing was written."
+            )
+        self._storage_checked = rb is not None
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         return tensordict

@@ -133,3 +133,24 @@ def test_multi_async_with_one_workers_filter_is_refused():
                 n, stats = len(rb), filt.stats
                 rb.extend(batch)
     assert len(rb) == n and filt.stats == stats
+
+
+def test_a_worker_killed_mid_run():
+    """One worker is killed after a few batches; TorchRL then stops the
+    collector. Bugs caught: the dead worker's held rows lost without a
+    count (its copy's state went with it), rows stored twice or wrong, the
+    stats identity broken. At most one batch the dead worker's filter had
+    handed over may miss the buffer (killed between the two)."""
+    filt = AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
+    rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
+    with pytest.raises(RuntimeError, match="process"):
+        with _collector(MultiSyncCollector, worker_env, replay_buffer=rb) as collector:
+            for i, _ in enumerate(collector):
+                if i == 2:
+                    collector.procs[0].kill()
+    filt.flush(rb)
+    stats = filt.stats
+    assert stats["rows_in"] >= 3 * FRAMES and stats["rows_held"] == 0
+    assert stats["rows_in"] == (stats["rows_out"] + stats["reset_rows_dropped"]
+                                + stats["lost_rows_dropped"])
+    check_invariants(rb[: len(rb)], stats, len(rb), unstored=FRAMES // WORKERS)
