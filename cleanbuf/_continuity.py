@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from cleanbuf._errors import ContinuityError
-from cleanbuf._move import Views
+from cleanbuf._move import Views, index_tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +99,13 @@ def _take(rows: Views, key: tuple, index: np.ndarray) -> torch.Tensor | np.ndarr
     a = rows[key]
     if a is not None:
         return a[index]
-    return rows.flat(key).index_select(0, torch.from_numpy(index).to(rows.tensors[key].device))
+    return rows.flat(key).index_select(0, index_tensor(index, rows.tensors[key].device))
 
 
 def _index(x, streams: np.ndarray):
     if isinstance(x, np.ndarray):
         return x[streams]
-    return x.index_select(0, torch.from_numpy(streams).to(x.device))
+    return x.index_select(0, index_tensor(streams, x.device))
 
 
 def _same_rows(a, b) -> np.ndarray:

@@ -93,6 +93,19 @@ class Views(dict):
         return a
 
 
+def index_tensor(index: np.ndarray, device=None) -> torch.Tensor:
+    """A numpy row index as a tensor on ``device``, without torch's warning
+    about read-only arrays (the shared empty index is one: copied, it costs
+    nothing).
+
+    Examples:
+        >>> index_tensor(np.array([2, 0])).tolist()
+        [2, 0]
+    """
+    t = torch.from_numpy(index) if index.flags.writeable else torch.tensor(index)
+    return t if device is None else t.to(device)
+
+
 class RowIndex:
     """A row index kept as numpy (for the planner) and as tensors (per device).
 
@@ -115,7 +128,7 @@ class RowIndex:
     def on(self, device: torch.device) -> torch.Tensor:
         """The index as a tensor on ``device`` (cached per device)."""
         if device not in self._tensors:
-            self._tensors[device] = torch.from_numpy(self.index).to(device)
+            self._tensors[device] = index_tensor(self.index, device)
         return self._tensors[device]
 
 

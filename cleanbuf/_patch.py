@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf._kernels import RELEASED_LOST
-from cleanbuf._move import SMALL_ROW_BYTES, RowIndex, Views, gather
+from cleanbuf._move import SMALL_ROW_BYTES, RowIndex, Views, gather, index_tensor
 from cleanbuf._pool import MIN_POOLED_BYTES, BufferPool
 
 # From this many bytes a row, ``set_rows`` copies row by row. That is at
@@ -147,7 +147,7 @@ def fix_bookkeeping(rows: Views, offset, init_pos, row_shift, is_init_key, step_
             a = a[offset:]
             np.subtract(a, shift, out=a, casting="unsafe")
         else:
-            x[offset:] -= torch.from_numpy(shift).to(x.device, x.dtype)
+            x[offset:] -= index_tensor(shift, x.device).to(x.dtype)
 
 
 def set_rows(dst: Views, dst_key, pos: np.ndarray, src: Views, src_key, rows: np.ndarray) -> None:
@@ -168,9 +168,7 @@ def set_rows(dst: Views, dst_key, pos: np.ndarray, src: Views, src_key, rows: np
             d[pos] = s[rows]
         return
     d, s = dst.flat(dst_key), src.flat(src_key)
-    d[torch.from_numpy(pos).to(d.device)] = s.index_select(
-        0, torch.from_numpy(rows).to(s.device)
-    ).to(d.device)
+    d[index_tensor(pos, d.device)] = s.index_select(0, index_tensor(rows, s.device)).to(d.device)
 
 
 def fill_rows(dst: Views, key, pos: np.ndarray, value) -> None:
@@ -189,7 +187,7 @@ def fill_rows(dst: Views, key, pos: np.ndarray, value) -> None:
         d[pos] = value
     else:
         t = dst.flat(key)
-        t[torch.from_numpy(pos).to(t.device)] = value
+        t[index_tensor(pos, t.device)] = value
 
 
 def as_td(leaves: dict, n_rows: int, device=None) -> TensorDictBase:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
 import pickle
+import subprocess
+import sys
 
 import gymnasium as gym
 import numpy as np
@@ -459,3 +463,26 @@ def test_step_rows_reads_gymnasium_and_sb3_infos_with_dict_observations():
     assert rows["next", "truncated"].reshape(-1).tolist() == [False, True, False]
     assert not rows["next", "terminated"].any() and rows["next", "done"].reshape(-1)[1]
     assert rows["next", "final_obs", "cam"][1].tolist() == [7, 7, 7, 7]
+
+
+def test_add_path_raises_no_warning():
+    """rb.add(row), one row per call, in a fresh process with warnings as
+    errors (torch warns once per process, so an earlier test could hide
+    it). Bug caught: torch's "NumPy array is not writable" warning from the
+    shared read-only empty row index turned into a tensor."""
+    code = (
+        "import warnings; warnings.simplefilter('error')\n"
+        "from torchrl.data import LazyTensorStorage, ReplayBuffer\n"
+        "from cleanbuf import AutoresetFilter\n"
+        "from tests.batches import next_step_batch\n"
+        "batch = next_step_batch(1, 30, 4)\n"
+        "filt = AutoresetFilter('next_step')\n"
+        "rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=filt)\n"
+        "for t in range(30):\n"
+        "    rb.add(batch[0, t])\n"
+        "assert filt.stats['reset_rows_dropped'] > 0\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]

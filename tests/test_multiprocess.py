@@ -10,6 +10,7 @@ rows in whatever order they arrived.
 from __future__ import annotations
 
 import contextlib
+import io
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter, ContinuityError
 from cleanbuf._oracle import compare_streams, streams_from_rows
+from tests.batches import assert_same_rows
 from tests.invariants import check_invariants
 from tests.workers import ENVS_PER_WORKER, STREAM, oracle_env, push_left, worker_env
 
@@ -154,3 +156,69 @@ def test_a_worker_killed_mid_run():
     assert stats["rows_in"] == (stats["rows_out"] + stats["reset_rows_dropped"]
                                 + stats["lost_rows_dropped"])
     check_invariants(rb[: len(rb)], stats, len(rb), unstored=FRAMES // WORKERS)
+
+
+def _worker_filter():
+    return AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
+
+
+def _reload(rb, make_filter=_worker_filter):
+    """rb.state_dict() through torch.save / torch.load with their defaults,
+    into a new buffer with a new filter."""
+    f = io.BytesIO()
+    torch.save(rb.state_dict(), f)
+    f.seek(0)
+    filt = make_filter()
+    fresh = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
+    fresh.load_state_dict(torch.load(f))
+    return filt, fresh
+
+
+def test_checkpoint_of_the_workers_copies():
+    """The buffer shared with the workers is checkpointed once they are done,
+    before the flush. Bugs caught: the checkpoint missing the copies' states
+    (their held rows lost, the stats of the workers' rows gone), a copy's
+    state restored twice (its held rows stored twice)."""
+    filt = AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
+    rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
+    with _collector(MultiSyncCollector, worker_env, replay_buffer=rb) as collector:
+        for _ in collector:
+            pass
+    stats = filt.stats
+    filt2, rb2 = _reload(rb)
+    assert filt2.stats == stats and stats["rows_held"] > 0
+    filt.flush(rb)
+    filt2.flush(rb2)
+    filt2.flush(rb2)
+    assert filt2.stats == filt.stats and len(rb2) == len(rb)
+    assert_same_rows(rb2[: len(rb2)], rb[: len(rb)])
+
+
+def test_multi_async_resumed_mid_run_equals_uninterrupted():
+    """Parent-side MultiAsyncCollector batches; the buffer is checkpointed
+    after a few batches (every worker's streams in the state) and the rest
+    goes to the restored buffer. Bugs caught: the producers' carries or
+    their trajectory ids missing from the checkpoint (the next batch of a
+    worker taken for a new producer: reset rows kept, ContinuityError)."""
+    with _collector(MultiAsyncCollector, worker_env, frames=FRAMES // WORKERS) as collector:
+        batches = [b.clone() for b in collector]
+
+    def make_filter():
+        return AutoresetFilter("next_step", joint_reset=True, reset_group_size=ENVS_PER_WORKER,
+                               producer_key=("collector", "traj_ids"), observation_keys=OBS)
+
+    def run(cut):
+        filt = make_filter()
+        rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
+        for i, batch in enumerate(batches):
+            if i == cut:
+                filt, rb = _reload(rb, make_filter)
+            rb.extend(batch)
+        filt.flush(rb)
+        return filt.stats, rb[: len(rb)]
+
+    want_stats, want = run(None)
+    got_stats, got = run(len(batches) // 2)
+    assert want_stats["reset_rows_dropped"] > 0
+    assert got_stats == want_stats
+    assert_same_rows(got, want)
