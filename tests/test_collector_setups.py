@@ -10,6 +10,7 @@ so those are checked against the invariants of clean data.
 from __future__ import annotations
 
 import pytest
+import torch
 from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
@@ -98,3 +99,28 @@ def test_restarts_between_batches(how):
     stats = filt.stats
     assert stats["reset_rows_dropped"] > 0 and stats["rows_held"] == 0
     check_invariants(rb[: len(rb)], stats, len(rb))
+
+
+def test_slice_sampler_over_trajectory_ids_stays_in_one_episode():
+    """The README's sampler for sequences from cleaned rows:
+    SliceSampler(traj_key=("collector", "traj_ids")). Flat rows interleave
+    the streams in the buffer (each call stores stream after stream), so a
+    sampler that only looks for done flags (end_key) crosses streams. Bug
+    caught: a cleaned buffer whose trajectory ids no longer split it into
+    episodes (a reset row's id kept, ids mixed across streams), so that a
+    slice runs across two episodes or two envs."""
+    from torchrl.data import SliceSampler
+
+    filt, rb = _run({})
+    rows = rb[: len(rb)]
+    sampler_rb = ReplayBuffer(
+        storage=LazyTensorStorage(len(rows)),
+        sampler=SliceSampler(slice_len=4, traj_key=("collector", "traj_ids"), strict_length=True),
+        batch_size=400,
+    )
+    sampler_rb.extend(rows)
+    sample = sampler_rb.sample().reshape(-1, 4)
+    assert (sample["env_id"] == sample["env_id"][:, :1]).all(), "a slice crosses streams"
+    count = sample["step_count"].squeeze(-1)
+    assert (count[:, 1:] == count[:, :-1] + 1).all(), "a slice crosses an episode or a gap"
+    assert torch.equal(sample["next", "observation"][:, :-1], sample["observation"][:, 1:])
