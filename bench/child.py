@@ -101,8 +101,10 @@ def memory(variant: str) -> dict:
     streamed = 0
     rb = buffer(4 * 1024)
     template = make_batch("atari", 0.02)
+    ids = template.get(("collector", "traj_ids"))
     while streamed < 2**30:
         batch = template.clone()  # fresh memory each batch, as a collector hands over
+        batch.set(("collector", "traj_ids"), ids + 10**6 * (streamed // 2**20))  # never reused
         batch_bytes = sum(v.numel() * v.element_size() for v in batch.values(True, True))
         extend(rb, batch)
         streamed += batch_bytes

@@ -22,10 +22,14 @@ def make_batch(kind: str, reset_frac: float, n_envs: int = E, steps: int = T, se
 
     Episodes last about ``1 / reset_frac - 1`` steps, each followed by its
     reset row (reward 0, is_init, step_count 0). No done row in the last two
-    steps, so the same batch can be extended again and again with a
-    consistent filter state. ``reset_frac=0`` gives a batch without episode
-    ends. ``kind`` is "mujoco" (17 float obs, 6 float action) or "atari"
-    (4x84x84 uint8 obs).
+    steps, and each stream's observations chain as a collector's do (a row's
+    next observation is the next row's observation, the last row's is the
+    first row's; a done row's is zero-filled), so the same batch can be
+    extended again and again with a consistent filter state and the
+    filter's continuity check passes. Use :func:`alternating` for the
+    trajectory ids of consecutive calls. ``reset_frac=0`` gives a batch
+    without episode ends. ``kind`` is "mujoco" (17 float obs, 6 float
+    action) or "atari" (4x84x84 uint8 obs).
     """
     rng = np.random.default_rng(seed)
     done = np.zeros((n_envs, steps), bool)
@@ -39,13 +43,14 @@ def make_batch(kind: str, reset_frac: float, n_envs: int = E, steps: int = T, se
                 reset[e, t + 1] = True
                 t += length + 1
     if kind == "mujoco":
-        obs = torch.randn(n_envs, steps, 17)
-        nobs = torch.randn(n_envs, steps, 17)
+        states = torch.randn(n_envs, steps, 17)
         action = torch.randn(n_envs, steps, 6)
     else:
-        obs = torch.randint(0, 256, (n_envs, steps, 4, 84, 84), dtype=torch.uint8)
-        nobs = torch.randint(0, 256, (n_envs, steps, 4, 84, 84), dtype=torch.uint8)
+        states = torch.randint(0, 256, (n_envs, steps, 4, 84, 84), dtype=torch.uint8)
         action = torch.randint(0, 6, (n_envs, steps, 1))
+    obs = states
+    nobs = torch.roll(states, -1, dims=1)  # the last row's next observation is the first row's
+    nobs[torch.from_numpy(done)] = 0  # TorchRL zero-fills a done row's next observation
     reward = torch.ones(n_envs, steps, 1)
     reward[torch.from_numpy(reset)] = 0.0
     done_t = torch.from_numpy(done).unsqueeze(-1)
@@ -56,7 +61,8 @@ def make_batch(kind: str, reset_frac: float, n_envs: int = E, steps: int = T, se
             "action": action,
             "is_init": torch.from_numpy(reset).unsqueeze(-1),
             "step_count": step,
-            ("collector", "traj_ids"): torch.zeros(n_envs, steps, dtype=torch.int64),
+            ("collector", "traj_ids"): torch.from_numpy(
+                np.cumsum(reset, axis=1) + 1000 * np.arange(n_envs)[:, None]),
             "next": {
                 "observation": nobs,
                 "reward": reward,
@@ -69,6 +75,16 @@ def make_batch(kind: str, reset_frac: float, n_envs: int = E, steps: int = T, se
         batch_size=[n_envs, steps],
         device=device,
     )
+
+
+def alternating(batch: TensorDict) -> list:
+    """The batch and a twin whose trajectory ids are new (the tensors are
+    shared): extending them in turn is what a collector's consecutive calls
+    look like (a trajectory id is never reused), where extending one batch
+    again and again is a write repeated after a failure."""
+    twin = batch.clone(recurse=False)
+    twin.set(("collector", "traj_ids"), batch.get(("collector", "traj_ids")) + 10**6)
+    return [batch, twin]
 
 
 class NaiveFilter(Transform):

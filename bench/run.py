@@ -36,6 +36,7 @@ from bench.data import (
     NaiveFilter,
     ReshapeOnly,
     gymnasium_recipe,
+    alternating,
     make_batch,
 )
 from cleanbuf import AutoresetFilter, _kernels
@@ -120,8 +121,8 @@ def extend_cases(table: Table, kind: str, frac: float, rounds: int) -> None:
         check_same_rows(batch)
         rbs["cleaning"] = ReplayBuffer(storage=LazyTensorStorage(capacity),
                                        transform=MinimalCleaning(reuse=True))
-    calls = {name: (lambda rb=rb: rb.extend(batch)) for name, rb in rbs.items()}
-    calls["plain"] = lambda: rbs["plain"].extend(batch.reshape(-1))
+    calls = {name: _cycling(rb.extend, alternating(batch)) for name, rb in rbs.items()}
+    calls["plain"] = _cycling(rbs["plain"].extend, [b.reshape(-1) for b in alternating(batch)])
     name = {"mujoco": "MuJoCo-like", "atari": "Atari-like"}[kind]
     what = f"{name}, {frac:.0%} reset rows" if frac else f"{name}, no reset rows"
     targets = {("mujoco", 0.02): 1.15, ("atari", 0.02): 1.10, ("mujoco", 0.10): 1.20,
@@ -146,12 +147,24 @@ def extend_cases(table: Table, kind: str, frac: float, rounds: int) -> None:
         declared_device_case(table, what, rounds)
 
 
+def _cycling(fn, batches):
+    """A call of ``fn`` on the next of ``batches``, in turn."""
+    state = {"i": 0}
+
+    def call():
+        fn(batches[state["i"] % len(batches)])
+        state["i"] += 1
+    return call
+
+
 def check_same_rows(batch, calls: int = 4) -> None:
     """The minimal cleaning floor must store what the filter stores, or it is no
     floor: compares their rows call after call (the carry state included)."""
     filt, floor = AutoresetFilter(), MinimalCleaning(reuse=True)
+    batches = alternating(batch)
     for call in range(calls):
-        ours, theirs = filt.inv(batch), floor.inv(batch)
+        b = batches[call % 2]
+        ours, theirs = filt.inv(b), floor.inv(b)
         keys = sorted(ours.keys(True, True), key=str)
         same = (ours.batch_size == theirs.batch_size
                 and keys == sorted(theirs.keys(True, True), key=str)
@@ -168,7 +181,8 @@ def declared_device_case(table: Table, what: str, rounds: int) -> None:
     capacity = batch.numel() * 4
     plain = ReplayBuffer(storage=LazyTensorStorage(capacity))
     filt = ReplayBuffer(storage=LazyTensorStorage(capacity), transform=AutoresetFilter())
-    calls = {"plain": lambda: plain.extend(batch.reshape(-1)), "filter": lambda: filt.extend(batch)}
+    calls = {"plain": _cycling(plain.extend, [b.reshape(-1) for b in alternating(batch)]),
+             "filter": _cycling(filt.extend, alternating(batch))}
     pair(table, f"extend with filter / plain extend, {what}, batch with device='cpu'", calls,
          "plain", "filter", rounds,
          note="a collector batch has device=None; declared here, the plain extend skips to() too")
@@ -199,8 +213,9 @@ def recipe_case(table: Table, rounds: int) -> None:
         arrays[2], arrays[3], arrays[4] = (a.squeeze(-1) for a in arrays[2:5])
         filt = AutoresetFilter()
         compact = MinimalCompaction(keep_index(batch), reuse=True)
-        calls = {"recipe": lambda: gymnasium_recipe(*arrays), "filter": lambda: filt.inv(batch),
-                 "compact": lambda: compact.inv(batch)}
+        calls = {"recipe": lambda: gymnasium_recipe(*arrays),
+                 "filter": _cycling(filt.inv, alternating(batch)),
+                 "compact": _cycling(compact.inv, alternating(batch))}
         what = f"cleaning one [{n_envs}, {steps}] batch"
         pair(table, f"{what}: Gymnasium per-env loop recipe / filter (speed-up)", calls, "recipe",
              "filter", reps, 50, ">=", note="no storage write on either side", speedup=True)
@@ -263,8 +278,8 @@ def kernel_scaling(table: Table, quick: bool) -> dict:
         reward = np.ones(n, np.float32)
         reward[1::50] = 0
         none = np.zeros(0, bool)
-        args = (n, n // 8, np.zeros(0, np.int64), done, none, none, False, reward,
-                np.zeros((4, 8), np.int64), True, False, False, True, True)
+        args = (n, n // 8, np.zeros(0, np.int64), done, none, none, False, reward, none, none,
+                np.zeros((5, 8), np.int64), True, False, False, True, True)
         for name, fn, fn_args in (("plan", _kernels.plan, args),
                                   ("plan_rows", _kernels.plan_rows, (*args, False))):
             fn(*fn_args)

@@ -17,7 +17,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf import _kernels
 from cleanbuf._carry import Carry
-from cleanbuf._continuity import LastRows
+from cleanbuf._continuity import CallEnds, LastRows
 from cleanbuf._retry import Fingerprint, SameBatchAgain, Undo
 from cleanbuf._errors import (
     CleanbufError,
@@ -519,16 +519,17 @@ class Cleaner:
         (:mod:`cleanbuf._continuity`) and is not the last call's batch again
         (:mod:`cleanbuf._retry`); returns the call's last rows, to commit.
         Time-aligned full transitions only: other calls keep what they had."""
-        old = self._carry.last
         if obs_only or layout.kind == "stream_key":
-            return old
-        fingerprint = self._fingerprint = Fingerprint.of_call(views, obs_keys, layout.steps)
+            return self._carry.last
+        first = layout.first_rows
+        ends = CallEnds.of_call(views, obs_keys, first, layout.last_rows, done, restart)
+        self._fingerprint = fingerprint = Fingerprint.of_call(views, first, ends)
         undo = self._undo
-        if undo is not None and fingerprint.exact and fingerprint.same(undo.fingerprint):
+        if undo is not None and fingerprint.exact and undo.same_batch(fingerprint):
             raise SameBatchAgain
         if self.options.check_continuity:
-            old.check(views, obs_keys, layout.steps, restart)
-        return LastRows.of_call(views, obs_keys, layout.steps, done)
+            self._carry.last.check(ends)
+        return LastRows.of(ends)
 
     def _restart_rows(self, leaves: Views, n_rows: int) -> np.ndarray:
         """Per row, whether it comes after a real reset of its env: ``is_init``

@@ -27,55 +27,75 @@ from cleanbuf._move import Views, index_tensor
 
 
 @dataclasses.dataclass(frozen=True)
-class LastRows:
-    """Per stream, the stored next observation of the last row seen.
+class CallEnds:
+    """The first and the last row of each stream of a time-aligned call.
 
     Attributes:
-        next_obs: observation key -> tensor ``[S, *feature]``.
-        open: bool ``[S]``: the stream's next row must continue that row (it
-            was not done). False for streams not seen yet.
+        first_obs: observation key -> the first rows' observations ``[S, ...]``.
+        first_restart: bool ``[S]``: the first row restarts its stream.
+        last_next_obs: observation key -> the last rows' next observations.
+        last_open: bool ``[S]``: the last row did not end an episode.
+    """
+
+    first_obs: dict
+    first_restart: np.ndarray
+    last_next_obs: dict
+    last_open: np.ndarray
+
+    @classmethod
+    def of_call(cls, rows: Views, obs_keys: list, first: np.ndarray, last: np.ndarray,
+                done: np.ndarray, restart: np.ndarray) -> "CallEnds":
+        """Reads the rows ``first`` and ``last`` (one per stream) of a call.
+
+        Examples:
+            >>> rows = Views({("obs",): torch.arange(6.0), ("next", "obs"): torch.arange(1.0, 7.0)})
+            >>> ends = CallEnds.of_call(rows, [("obs",)], np.array([0, 3]), np.array([2, 5]),
+            ...                         np.zeros(6, bool), np.zeros(0, bool))
+            >>> ends.first_obs[("obs",)].tolist(), ends.last_next_obs[("obs",)].tolist()
+            ([0.0, 3.0], [3.0, 6.0])
+        """
+        return cls(
+            {k: take_rows(rows, k, first) for k in obs_keys},
+            restart[first] if len(restart) else np.zeros(len(first), np.bool_),
+            {k: take_rows(rows, ("next", *k), last) for k in obs_keys},
+            ~done[last],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LastRows:
+    """Per stream, what the stream's next row must continue (part of the carry).
+
+    Attributes:
+        next_obs: observation key -> the stored next observation of the
+            stream's last row, ``[S, ...]``.
+        open: bool ``[S]``: the next row must continue that row (it was
+            not done). False for streams not seen yet.
     """
 
     next_obs: dict = dataclasses.field(default_factory=dict)
     open: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.bool_))
 
     @classmethod
-    def of_call(cls, rows: Views, obs_keys: list, steps: int, done: np.ndarray) -> "LastRows":
-        """The last row of each stream of a time-aligned call (``steps`` rows a stream).
+    def of(cls, ends: CallEnds) -> "LastRows":
+        """The last rows of a call."""
+        return cls(ends.last_next_obs, ends.last_open)
 
-        Examples:
-            >>> rows = Views({("next", "obs"): torch.arange(6.0)})
-            >>> last = LastRows.of_call(rows, [("obs",)], 3, np.zeros(6, bool))
-            >>> last.next_obs[("obs",)].tolist(), last.open.tolist()
-            ([2.0, 5.0], [True, True])
-        """
-        last = np.arange(steps - 1, rows.n_rows or len(done), steps)
-        return cls({k: _take(rows, ("next", *k), last) for k in obs_keys}, ~done[last])
-
-    def check(self, rows: Views, obs_keys: list, steps: int, restart: np.ndarray) -> None:
-        """Raises unless each stream's first row in the call continues its last row.
-
-        Args:
-            rows: the call's leaves, as rows.
-            obs_keys: the observation keys.
-            steps: rows per stream in the call (time-last order).
-            restart: per row, it restarts its stream (empty: none does).
+    def check(self, ends: CallEnds) -> None:
+        """Raises unless each stream's first row in a call continues its last row.
 
         Raises:
             ContinuityError: a stream's first row does not continue.
         """
-        n_old = len(self.open)
-        if not n_old or not np.count_nonzero(self.open):
+        n = min(len(self.open), len(ends.first_restart))
+        if not n or not np.count_nonzero(self.open):
             return
-        first = np.arange(0, rows.n_rows, steps)[:n_old]
-        check = self.open[: len(first)].copy()
-        if len(restart):
-            check &= ~restart[first]
-        streams = np.flatnonzero(check)
-        if not len(streams):
-            return
-        for k in obs_keys:
-            same = _same_rows(_take(rows, k, first[streams]), _index(self.next_obs[k], streams))
+        streams = np.flatnonzero(self.open[:n] & ~ends.first_restart[:n])
+        for k, first in ends.first_obs.items():
+            first, last = _index(first, streams), _index(self.next_obs[k], streams)
+            if same_bytes(first, last):
+                continue
+            same = same_rows(first, last)
             if not same.all():
                 bad = int(streams[np.flatnonzero(~same)[0]])
                 raise ContinuityError(
@@ -95,7 +115,8 @@ def _name(key: tuple) -> str:
     return repr(key[0]) if len(key) == 1 else repr(key)
 
 
-def _take(rows: Views, key: tuple, index: np.ndarray) -> torch.Tensor | np.ndarray:
+def take_rows(rows: Views, key: tuple, index: np.ndarray) -> torch.Tensor | np.ndarray:
+    """A copy of rows ``index`` of ``rows[key]``, numpy where it has a view."""
     a = rows[key]
     if a is not None:
         return a[index]
@@ -103,23 +124,36 @@ def _take(rows: Views, key: tuple, index: np.ndarray) -> torch.Tensor | np.ndarr
 
 
 def _index(x, streams: np.ndarray):
+    if len(streams) == len(x):
+        return x
     if isinstance(x, np.ndarray):
         return x[streams]
     return x.index_select(0, index_tensor(streams, x.device))
 
 
-def _same_rows(a, b) -> np.ndarray:
-    """Per row, whether ``a`` and ``b`` hold the same values (NaN equals NaN)."""
-    if isinstance(a, np.ndarray) != isinstance(b, np.ndarray):
-        a, b = torch.as_tensor(a), torch.as_tensor(b)
-        b = b.to(a.device)
+def same_bytes(a, b) -> bool:
+    """Whether two numpy arrays hold the same bytes (the common case of
+    :func:`same_rows`, in one comparison); False for anything else."""
+    return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+                and a.shape == b.shape and a.tobytes() == b.tobytes())
+
+
+def same_rows(a, b) -> np.ndarray:
+    """Per row, whether ``a`` and ``b`` hold the same bytes (NaN equal to NaN).
+
+    Examples:
+        >>> same_rows(np.array([[1.0, np.nan], [2.0, 3.0]]), np.array([[1.0, np.nan], [2.0, 4.0]]))
+        array([ True, False])
+    """
+    if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
+        a, b = torch.as_tensor(a).contiguous(), torch.as_tensor(b).contiguous()
+        if a.dtype != b.dtype or a.shape != b.shape or not len(a):
+            return np.zeros(len(a), np.bool_)
+        a, b = a.view(torch.uint8), b.to(a.device).view(torch.uint8)
+        return (a.reshape(len(a), -1) == b.reshape(len(b), -1)).all(1).cpu().numpy()
+    if a.dtype != b.dtype or a.shape != b.shape or not len(a):
+        return np.zeros(len(a), np.bool_)
     n = len(a)
-    if isinstance(a, np.ndarray):
-        eq = a == b
-        if a.dtype.kind in "fc":
-            eq |= np.isnan(a) & np.isnan(b)
-        return eq.reshape(n, -1).all(1)
-    eq = a == b
-    if a.is_floating_point() or a.is_complex():
-        eq |= a.isnan() & b.isnan()
-    return eq.reshape(n, -1).all(1).cpu().numpy()
+    a = np.ascontiguousarray(a).view(np.uint8).reshape(n, -1)
+    b = np.ascontiguousarray(b).view(np.uint8).reshape(n, -1)
+    return (a == b).all(1)

@@ -14,6 +14,7 @@ and stream identity"):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import torch
@@ -56,6 +57,16 @@ class CallLayout:
     def __post_init__(self):
         # The number of streams (the product of ``stream_shape``).
         object.__setattr__(self, "n_streams", int(np.prod(self.stream_shape, dtype=np.int64)))
+
+    @functools.cached_property
+    def first_rows(self) -> np.ndarray:
+        """The first row of each stream (time-aligned layouts)."""
+        return np.arange(0, self.n_rows, self.steps)
+
+    @functools.cached_property
+    def last_rows(self) -> np.ndarray:
+        """The last row of each stream (time-aligned layouts)."""
+        return np.arange(self.steps - 1, self.n_rows, self.steps)
 
     def stream_of(self, rows: np.ndarray) -> np.ndarray:
         """The dense stream index of the given flat rows."""

@@ -19,12 +19,11 @@ repeat is left to).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import numpy as np
 
-from cleanbuf._continuity import _same_rows, _take
+from cleanbuf._continuity import CallEnds, same_bytes, same_rows, take_rows
 from cleanbuf._move import Views
 
 TRAJ_IDS = ("collector", "traj_ids")
@@ -47,22 +46,25 @@ class Fingerprint:
     rows: dict
 
     @classmethod
-    def of_call(cls, views: Views, obs_keys: list, steps: int) -> "Fingerprint":
-        """Reads the first row of each stream (``steps`` rows a stream)."""
-        first = np.arange(0, views.n_rows, steps)
+    def of_call(cls, views: Views, first: np.ndarray, ends: CallEnds) -> "Fingerprint":
+        """The trajectory ids of the rows ``first`` (one per stream), or their
+        observations (``ends``) where the rows have no trajectory ids."""
         if TRAJ_IDS in views.tensors:
-            return cls(True, {TRAJ_IDS: _take(views, TRAJ_IDS, first)})
-        return cls(False, {k: _take(views, k, first) for k in obs_keys})
+            return cls(True, {TRAJ_IDS: take_rows(views, TRAJ_IDS, first)})
+        return cls(False, ends.first_obs)
 
     def same(self, other: "Fingerprint | None") -> bool:
-        """Whether ``other`` has the same first rows."""
+        """Whether ``other`` has the same first rows, byte for byte (a batch
+        written again is the same batch)."""
         if other is None or other.exact != self.exact or other.rows.keys() != self.rows.keys():
             return False
-        for k, a in self.rows.items():
-            b = other.rows[k]
-            if a.shape != b.shape or not _same_rows(a, b).all():
-                return False
-        return True
+        return all(_same(a, other.rows[k]) for k, a in self.rows.items())
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return same_bytes(a, b)
+    return a.shape == b.shape and bool(same_rows(a, b).all())
 
 
 @dataclasses.dataclass
@@ -78,7 +80,7 @@ class Undo:
     def of(cls, cleaner) -> "Undo":
         """Snapshots ``cleaner`` (its carries are replaced or have their
         fields replaced by a call, never written into: shallow copies do)."""
-        return cls(copy.copy(cleaner._carry), [copy.copy(g) for g in cleaner._groups],
+        return cls(cleaner._carry.snapshot(), [g.snapshot() for g in cleaner._groups],
                    dict(cleaner._stats))
 
     def same_batch(self, fingerprint: Fingerprint | None) -> bool:
