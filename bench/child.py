@@ -36,9 +36,15 @@ def startup(variant: str) -> dict:
     done[:, 10] = True
     reward = torch.ones(E, T, 1)
     reward[:, 11] = 0
-    batch = TensorDict({"observation": torch.zeros(E, T, 17),
-                        ("next", "observation"): torch.zeros(E, T, 17),
-                        ("next", "reward"): reward, ("next", "done"): done}, [E, T])
+    batch = TensorDict(
+        {
+            "observation": torch.zeros(E, T, 17),
+            ("next", "observation"): torch.zeros(E, T, 17),
+            ("next", "reward"): reward,
+            ("next", "done"): done,
+        },
+        [E, T],
+    )
     rb = ReplayBuffer(storage=LazyTensorStorage(10_000), transform=transform)
     rb.extend(batch if variant == "filter" else batch.reshape(-1))
     t2 = time.perf_counter()
@@ -47,7 +53,8 @@ def startup(variant: str) -> dict:
 
 def _status_bytes(field: str) -> int | None:
     """A memory field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes,
-    or None where there is none."""
+    or None where there is none.
+    """
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -57,7 +64,8 @@ def _status_bytes(field: str) -> int | None:
 
 def _peak_rss() -> int:
     """This process's peak resident memory in bytes (VmHWM: unlike ru_maxrss,
-    it does not inherit the parent's peak across fork and exec)."""
+    it does not inherit the parent's peak across fork and exec).
+    """
     peak = _status_bytes("VmHWM")
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if peak is None else peak
 
@@ -77,7 +85,8 @@ def memory(variant: str) -> dict:
     filter's process holds once, whatever it streams (about 0.6 MiB more
     than the plain one: code and state its first extend touches). The
     difference of the peaks is that plus what the filter holds for the
-    data."""
+    data.
+    """
     import torch
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
@@ -110,8 +119,12 @@ def memory(variant: str) -> dict:
         streamed += batch_bytes
         del batch
     peak = _peak_rss()
-    return {"peak_bytes": peak, "warm_bytes": warm, "batch_bytes": batch_bytes,
-            "streamed_bytes": streamed}
+    return {
+        "peak_bytes": peak,
+        "warm_bytes": warm,
+        "batch_bytes": batch_bytes,
+        "streamed_bytes": streamed,
+    }
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ from cleanbuf._patch import ROW_LOOP_BYTES, as_td
 E, T = 8, 128
 
 
-def make_batch(kind: str, reset_frac: float, n_envs: int = E, steps: int = T, seed: int = 0,
-               device=None) -> TensorDict:
+def make_batch(
+    kind: str, reset_frac: float, n_envs: int = E, steps: int = T, seed: int = 0, device=None
+) -> TensorDict:
     """A next-step [n_envs, steps] batch shaped like TorchRL collector output
     (``device=None``, as TorchRL's ``Collector`` yields it, unless ``device``
     is given).
@@ -62,7 +63,8 @@ def make_batch(kind: str, reset_frac: float, n_envs: int = E, steps: int = T, se
             "is_init": torch.from_numpy(reset).unsqueeze(-1),
             "step_count": step,
             ("collector", "traj_ids"): torch.from_numpy(
-                np.cumsum(reset, axis=1) + 1000 * np.arange(n_envs)[:, None]),
+                np.cumsum(reset, axis=1) + 1000 * np.arange(n_envs)[:, None]
+            ),
             "next": {
                 "observation": nobs,
                 "reward": reward,
@@ -81,7 +83,8 @@ def alternating(batch: TensorDict) -> list:
     """The batch and a twin whose trajectory ids are new (the tensors are
     shared): extending them in turn is what a collector's consecutive calls
     look like (a trajectory id is never reused), where extending one batch
-    again and again is a write repeated after a failure."""
+    again and again is a write repeated after a failure.
+    """
     twin = batch.clone(recurse=False)
     twin.set(("collector", "traj_ids"), batch.get(("collector", "traj_ids")) + 10**6)
     return [batch, twin]
@@ -89,7 +92,8 @@ def alternating(batch: TensorDict) -> list:
 
 class NaiveFilter(Transform):
     """The naive idiom: drop the rows that follow a done row with ``td[keep_mask]``
-    (as TorchRL's ``PolicyAgeFilter`` filters)."""
+    (as TorchRL's ``PolicyAgeFilter`` filters).
+    """
 
     def __init__(self):
         super().__init__(in_keys=[], out_keys=[])
@@ -104,7 +108,8 @@ class NaiveFilter(Transform):
 class ReshapeOnly(Transform):
     """The floor of TorchRL's transform machinery: a transform that only flattens
     (``td.reshape(-1)``, which keeps the batch's device, None for a collector
-    batch, so the storage runs ``to()`` before writing, as for a plain extend)."""
+    batch, so the storage runs ``to()`` before writing, as for a plain extend).
+    """
 
     def __init__(self):
         super().__init__(in_keys=[], out_keys=[])
@@ -132,7 +137,8 @@ class MinimalCompaction(Transform):
     ``reuse=True`` copies the large rows into output buffers kept from the
     last call (safe here: the benchmark's tensor storage copies what it
     gets), which is the floor for them, where fresh memory costs page
-    faults."""
+    faults.
+    """
 
     def __init__(self, keep_index, reuse: bool = False):
         super().__init__(in_keys=[], out_keys=[])
@@ -155,10 +161,10 @@ class MinimalCompaction(Transform):
             key = key if isinstance(key, tuple) else (key,)
             if keep_index is not None and value.is_cpu and value.nbytes <= SMALL_ROW_BYTES * n:
                 a = value.numpy()  # reshaped by numpy: cheaper than torch's reshape
-                a = a.reshape((n,) + a.shape[td.batch_dims:])
+                a = a.reshape((n,) + a.shape[td.batch_dims :])
                 out[key] = torch.from_numpy(a.take(index, axis=0))
                 continue
-            flat = value.reshape(n, *value.shape[td.batch_dims:])
+            flat = value.reshape(n, *value.shape[td.batch_dims :])
             if keep_index is None:
                 out[key] = flat
             elif self.reuse:
@@ -174,14 +180,24 @@ class MinimalCompaction(Transform):
 def gymnasium_recipe(obs, actions, rewards, terms, truncs, next_obs):
     """Gymnasium's documented next-step replay-buffer recipe: a Python loop over
     steps and envs that skips the step after each episode end. Arrays are
-    [T, E, ...] numpy; returns the kept transitions as a list of tuples."""
+    [T, E, ...] numpy; returns the kept transitions as a list of tuples.
+    """
     buffer = []
     n_steps, n_envs = rewards.shape
     autoreset = np.zeros(n_envs, bool)
     for t in range(n_steps):
         for j in range(n_envs):
             if not autoreset[j]:
-                buffer.append((obs[t, j], actions[t, j], rewards[t, j], terms[t, j], truncs[t, j], next_obs[t, j]))
+                buffer.append(
+                    (
+                        obs[t, j],
+                        actions[t, j],
+                        rewards[t, j],
+                        terms[t, j],
+                        truncs[t, j],
+                        next_obs[t, j],
+                    )
+                )
         autoreset = np.logical_or(terms[t], truncs[t])
     return buffer
 
@@ -194,7 +210,8 @@ def _plan_simple(done, n_envs, steps, after_reset):
     kept input rows; per kept row, the steps to subtract from its step
     counts; the output rows of the done rows and the input rows (their reset
     rows) that hold their terminal observations; the output rows that start
-    an episode; and the new per-env flag."""
+    an episode; and the new per-env flag.
+    """
     n = n_envs * steps
     keep = np.empty(n, np.int64)
     shift = np.empty(n, np.int64)
@@ -252,7 +269,8 @@ class MinimalCleaning(MinimalCompaction):
         if self._after_reset is None:
             self._after_reset = np.zeros(n_envs, bool)
         keep, shift, done_pos, done_src, init_pos, self._after_reset = _plan_simple(
-            td.get(("next", "done")).numpy().reshape(-1), n_envs, steps, self._after_reset)
+            td.get(("next", "done")).numpy().reshape(-1), n_envs, steps, self._after_reset
+        )
         out = self._compact(td, torch.from_numpy(keep))
         obs = td.get("observation").numpy().reshape(n_envs * steps, -1)
         next_obs = out.get(("next", "observation")).numpy().reshape(len(keep), -1)

@@ -35,8 +35,8 @@ from bench.data import (
     MinimalCompaction,
     NaiveFilter,
     ReshapeOnly,
-    gymnasium_recipe,
     alternating,
+    gymnasium_recipe,
     make_batch,
 )
 from cleanbuf import AutoresetFilter, _kernels
@@ -52,7 +52,7 @@ def alternate(calls: dict, rounds: int) -> dict:
     times = {k: [] for k in calls}
     order = list(calls)
     for r in range(rounds):
-        for name in order[r % len(order):] + order[: r % len(order)]:
+        for name in order[r % len(order) :] + order[: r % len(order)]:
             start = time.perf_counter()
             calls[name]()
             times[name].append(time.perf_counter() - start)
@@ -63,17 +63,36 @@ def ratio(times: dict, num: str, den: str) -> float:
     return statistics.median(a / b for a, b in zip(times[num], times[den]))
 
 
-def pair(table: "Table", case: str, calls: dict, base: str, ours: str, rounds: int,
-         target: float = 0, op: str | None = None, note: str = "", speedup: bool = False,
-         group: str | None = None) -> None:
+def pair(
+    table: Table,
+    case: str,
+    calls: dict,
+    base: str,
+    ours: str,
+    rounds: int,
+    target: float = 0,
+    op: str | None = None,
+    note: str = "",
+    speedup: bool = False,
+    group: str | None = None,
+) -> None:
     """Times ``calls[base]`` and ``calls[ours]`` alternately, a pair per round,
     and adds the row: the median of the per-pair ratios ``ours / base`` (or
     ``base / ours`` for a ``speedup``). ``group`` ties a case to its floors
-    in the plot."""
+    in the plot.
+    """
     times = alternate({base: calls[base], ours: calls[ours]}, rounds)
     value = ratio(times, base, ours) if speedup else ratio(times, ours, base)
-    table.add(case, ms(statistics.median(times[base])), ms(statistics.median(times[ours])),
-              value, target, op, note=note, group=group)
+    table.add(
+        case,
+        ms(statistics.median(times[base])),
+        ms(statistics.median(times[ours])),
+        value,
+        target,
+        op,
+        note=note,
+        group=group,
+    )
 
 
 def ms(seconds: float) -> str:
@@ -84,23 +103,36 @@ class Table:
     def __init__(self):
         self.rows = []
 
-    def add(self, case, baseline, ours, value, target, op, unit="x", note="", group=None,
-            digits=2):
+    def add(self, case, baseline, ours, value, target, op, unit="x", note="", group=None, digits=2):
         ok = None if op is None else (value <= target if op == "<=" else value >= target)
-        self.rows.append({
-            "case": case, "baseline": baseline, "ours": ours, "ratio": value,
-            "ratio_str": f"{value:.{digits}f}{unit}" if unit == "x" else f"{value:.3g} {unit}",
-            "target": "-" if op is None else f"{op} {target:g}{unit if unit == 'x' else ' ' + unit}",
-            "target_value": target, "op": op,
-            "pass": "-" if ok is None else ("pass" if ok else "FAIL"), "note": note,
-            "group": group,
-        })
+        self.rows.append(
+            {
+                "case": case,
+                "baseline": baseline,
+                "ours": ours,
+                "ratio": value,
+                "ratio_str": f"{value:.{digits}f}{unit}" if unit == "x" else f"{value:.3g} {unit}",
+                "target": "-"
+                if op is None
+                else f"{op} {target:g}{unit if unit == 'x' else ' ' + unit}",
+                "target_value": target,
+                "op": op,
+                "pass": "-" if ok is None else ("pass" if ok else "FAIL"),
+                "note": note,
+                "group": group,
+            }
+        )
 
     def markdown(self) -> str:
-        lines = ["| case | baseline | ours | ratio | target | pass/fail |", "|---|---|---|---|---|---|"]
+        lines = [
+            "| case | baseline | ours | ratio | target | pass/fail |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in self.rows:
             note = f" ({r['note']})" if r["note"] else ""
-            lines.append(f"| {r['case']}{note} | {r['baseline']} | {r['ours']} | {r['ratio_str']} | {r['target']} | {r['pass']} |")
+            lines.append(
+                f"| {r['case']}{note} | {r['baseline']} | {r['ours']} | {r['ratio_str']} | {r['target']} | {r['pass']} |"
+            )
         return "\n".join(lines)
 
 
@@ -113,36 +145,99 @@ def extend_cases(table: Table, kind: str, frac: float, rounds: int) -> None:
         "filter": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=AutoresetFilter()),
         "naive": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=NaiveFilter()),
         "reshape": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=ReshapeOnly()),
-        "compact": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=MinimalCompaction(rows)),
-        "warm": ReplayBuffer(storage=LazyTensorStorage(capacity),
-                             transform=MinimalCompaction(rows, reuse=True)),
+        "compact": ReplayBuffer(
+            storage=LazyTensorStorage(capacity), transform=MinimalCompaction(rows)
+        ),
+        "warm": ReplayBuffer(
+            storage=LazyTensorStorage(capacity), transform=MinimalCompaction(rows, reuse=True)
+        ),
     }
     if frac:
         check_same_rows(batch)
-        rbs["cleaning"] = ReplayBuffer(storage=LazyTensorStorage(capacity),
-                                       transform=MinimalCleaning(reuse=True))
+        rbs["cleaning"] = ReplayBuffer(
+            storage=LazyTensorStorage(capacity), transform=MinimalCleaning(reuse=True)
+        )
     calls = {name: _cycling(rb.extend, alternating(batch)) for name, rb in rbs.items()}
     calls["plain"] = _cycling(rbs["plain"].extend, [b.reshape(-1) for b in alternating(batch)])
     name = {"mujoco": "MuJoCo-like", "atari": "Atari-like"}[kind]
     what = f"{name}, {frac:.0%} reset rows" if frac else f"{name}, no reset rows"
-    targets = {("mujoco", 0.02): 1.15, ("atari", 0.02): 1.10, ("mujoco", 0.10): 1.20,
-               ("atari", 0.10): 1.15, ("mujoco", 0.0): 1.10, ("atari", 0.0): 1.03}
-    pair(table, f"extend with filter / plain extend, {what}", calls, "plain", "filter", rounds,
-         targets[(kind, frac)], "<=", group=what)
-    pair(table, f"floor: reshape-only transform / plain, {what}", calls, "plain", "reshape", rounds,
-         group=what)
+    targets = {
+        ("mujoco", 0.02): 1.15,
+        ("atari", 0.02): 1.10,
+        ("mujoco", 0.10): 1.20,
+        ("atari", 0.10): 1.15,
+        ("mujoco", 0.0): 1.10,
+        ("atari", 0.0): 1.03,
+    }
+    pair(
+        table,
+        f"extend with filter / plain extend, {what}",
+        calls,
+        "plain",
+        "filter",
+        rounds,
+        targets[(kind, frac)],
+        "<=",
+        group=what,
+    )
+    pair(
+        table,
+        f"floor: reshape-only transform / plain, {what}",
+        calls,
+        "plain",
+        "reshape",
+        rounds,
+        group=what,
+    )
     if frac:
-        pair(table, f"floor: minimal compaction transform / plain, {what}", calls, "plain", "compact",
-             rounds, group=what)
-        pair(table, f"floor: minimal compaction into reused buffers / plain, {what}", calls, "plain",
-             "warm", rounds, group=what)
-        pair(table, f"floor: minimal cleaning into reused buffers / plain, {what}", calls, "plain",
-             "cleaning", rounds, group=what)
+        pair(
+            table,
+            f"floor: minimal compaction transform / plain, {what}",
+            calls,
+            "plain",
+            "compact",
+            rounds,
+            group=what,
+        )
+        pair(
+            table,
+            f"floor: minimal compaction into reused buffers / plain, {what}",
+            calls,
+            "plain",
+            "warm",
+            rounds,
+            group=what,
+        )
+        pair(
+            table,
+            f"floor: minimal cleaning into reused buffers / plain, {what}",
+            calls,
+            "plain",
+            "cleaning",
+            rounds,
+            group=what,
+        )
     if frac == 0.02:
-        pair(table, f"naive td[keep] transform / filter (speed-up), {what}", calls, "naive", "filter",
-             rounds, {"mujoco": 1.4, "atari": 1.5}[kind], ">=", speedup=True)
-        pair(table, f"floor: naive td[keep] transform / minimal cleaning (speed-up), {what}", calls,
-             "naive", "cleaning", rounds, speedup=True)
+        pair(
+            table,
+            f"naive td[keep] transform / filter (speed-up), {what}",
+            calls,
+            "naive",
+            "filter",
+            rounds,
+            {"mujoco": 1.4, "atari": 1.5}[kind],
+            ">=",
+            speedup=True,
+        )
+        pair(
+            table,
+            f"floor: naive td[keep] transform / minimal cleaning (speed-up), {what}",
+            calls,
+            "naive",
+            "cleaning",
+            rounds,
+            speedup=True,
+        )
     if frac == 0.02 and kind == "mujoco":
         declared_device_case(table, what, rounds)
 
@@ -154,38 +249,53 @@ def _cycling(fn, batches):
     def call():
         fn(batches[state["i"] % len(batches)])
         state["i"] += 1
+
     return call
 
 
 def check_same_rows(batch, calls: int = 4) -> None:
     """The minimal cleaning floor must store what the filter stores, or it is no
-    floor: compares their rows call after call (the carry state included)."""
+    floor: compares their rows call after call (the carry state included).
+    """
     filt, floor = AutoresetFilter(), MinimalCleaning(reuse=True)
     batches = alternating(batch)
     for call in range(calls):
         b = batches[call % 2]
         ours, theirs = filt.inv(b), floor.inv(b)
         keys = sorted(ours.keys(True, True), key=str)
-        same = (ours.batch_size == theirs.batch_size
-                and keys == sorted(theirs.keys(True, True), key=str)
-                and all(torch.equal(ours[k], theirs[k]) for k in keys))
+        same = (
+            ours.batch_size == theirs.batch_size
+            and keys == sorted(theirs.keys(True, True), key=str)
+            and all(torch.equal(ours[k], theirs[k]) for k in keys)
+        )
         if not same:
-            raise AssertionError(f"the minimal cleaning floor stores other rows than the filter "
-                                 f"(call {call}): it is not a floor")
+            raise AssertionError(
+                f"the minimal cleaning floor stores other rows than the filter "
+                f"(call {call}): it is not a floor"
+            )
 
 
 def declared_device_case(table: Table, what: str, rounds: int) -> None:
     """The same batch with ``device="cpu"`` declared: the plain extend then skips
-    the storage's ``to()`` too, so the filter's cost shows at its full size."""
+    the storage's ``to()`` too, so the filter's cost shows at its full size.
+    """
     batch = make_batch("mujoco", 0.02, device="cpu")
     capacity = batch.numel() * 4
     plain = ReplayBuffer(storage=LazyTensorStorage(capacity))
     filt = ReplayBuffer(storage=LazyTensorStorage(capacity), transform=AutoresetFilter())
-    calls = {"plain": _cycling(plain.extend, [b.reshape(-1) for b in alternating(batch)]),
-             "filter": _cycling(filt.extend, alternating(batch))}
-    pair(table, f"extend with filter / plain extend, {what}, batch with device='cpu'", calls,
-         "plain", "filter", rounds,
-         note="a collector batch has device=None; declared here, the plain extend skips to() too")
+    calls = {
+        "plain": _cycling(plain.extend, [b.reshape(-1) for b in alternating(batch)]),
+        "filter": _cycling(filt.extend, alternating(batch)),
+    }
+    pair(
+        table,
+        f"extend with filter / plain extend, {what}, batch with device='cpu'",
+        calls,
+        "plain",
+        "filter",
+        rounds,
+        note="a collector batch has device=None; declared here, the plain extend skips to() too",
+    )
 
 
 def keep_index(batch) -> torch.Tensor:
@@ -204,23 +314,51 @@ def recipe_case(table: Table, rounds: int) -> None:
     filter returns the kept rows as contiguous tensors, ready to store. The
     floor row divides the recipe by the minimal compaction (one gather per
     leaf with a precomputed index, nothing else): no filter that hands the
-    buffer a batch can beat the recipe by more."""
+    buffer a batch can beat the recipe by more.
+    """
     for n_envs, steps, reps in ((8, 128, rounds), (64, 1024, max(3, rounds // 20))):
         batch = make_batch("mujoco", 0.02, n_envs=n_envs, steps=steps)
-        arrays = [batch[k].transpose(0, 1).numpy() for k in
-                  ("observation", "action", ("next", "reward"), ("next", "terminated"),
-                   ("next", "truncated"), ("next", "observation"))]
+        arrays = [
+            batch[k].transpose(0, 1).numpy()
+            for k in (
+                "observation",
+                "action",
+                ("next", "reward"),
+                ("next", "terminated"),
+                ("next", "truncated"),
+                ("next", "observation"),
+            )
+        ]
         arrays[2], arrays[3], arrays[4] = (a.squeeze(-1) for a in arrays[2:5])
         filt = AutoresetFilter()
         compact = MinimalCompaction(keep_index(batch), reuse=True)
-        calls = {"recipe": lambda: gymnasium_recipe(*arrays),
-                 "filter": _cycling(filt.inv, alternating(batch)),
-                 "compact": _cycling(compact.inv, alternating(batch))}
+        calls = {
+            "recipe": lambda: gymnasium_recipe(*arrays),
+            "filter": _cycling(filt.inv, alternating(batch)),
+            "compact": _cycling(compact.inv, alternating(batch)),
+        }
         what = f"cleaning one [{n_envs}, {steps}] batch"
-        pair(table, f"{what}: Gymnasium per-env loop recipe / filter (speed-up)", calls, "recipe",
-             "filter", reps, 50, ">=", note="no storage write on either side", speedup=True)
-        pair(table, f"floor: {what}: Gymnasium recipe / minimal compaction into reused buffers "
-             "(speed-up)", calls, "recipe", "compact", reps, speedup=True)
+        pair(
+            table,
+            f"{what}: Gymnasium per-env loop recipe / filter (speed-up)",
+            calls,
+            "recipe",
+            "filter",
+            reps,
+            50,
+            ">=",
+            note="no storage write on either side",
+            speedup=True,
+        )
+        pair(
+            table,
+            f"floor: {what}: Gymnasium recipe / minimal compaction into reused buffers (speed-up)",
+            calls,
+            "recipe",
+            "compact",
+            reps,
+            speedup=True,
+        )
 
 
 def step_case(table: Table, rounds: int) -> None:
@@ -231,10 +369,12 @@ def step_case(table: Table, rounds: int) -> None:
     done: no StepCounter or InitTracker keys), MuJoCo-like, 2% reset rows.
     The floors: a transform that only reshapes, and the minimal compaction
     that passes a step without reset rows through and drops the reset rows
-    of the others with a precomputed index."""
+    of the others with a precomputed index.
+    """
     n_envs, n_steps = 16, 256
     batch = make_batch("mujoco", 0.02, n_envs=n_envs, steps=n_steps).exclude(
-        "is_init", "step_count", ("next", "step_count"), ("collector", "traj_ids"))
+        "is_init", "step_count", ("next", "step_count"), ("collector", "traj_ids")
+    )
     steps = [batch[:, t].clone() for t in range(n_steps)]
     done = batch["next", "done"].reshape(n_envs, n_steps)
     # Step t's reset rows follow step t - 1's done rows (cyclically: the batch
@@ -243,7 +383,9 @@ def step_case(table: Table, rounds: int) -> None:
     keep = [None if k.all() else torch.nonzero(k).flatten() for k in keep]
     rbs = {
         "plain": ReplayBuffer(storage=LazyTensorStorage(4096)),
-        "filter": ReplayBuffer(storage=LazyTensorStorage(4096), transform=AutoresetFilter(layout="step")),
+        "filter": ReplayBuffer(
+            storage=LazyTensorStorage(4096), transform=AutoresetFilter(layout="step")
+        ),
         "reshape": ReplayBuffer(storage=LazyTensorStorage(4096), transform=ReshapeOnly()),
         "compact": ReplayBuffer(storage=LazyTensorStorage(4096), transform=MinimalCompaction(keep)),
     }
@@ -253,23 +395,49 @@ def step_case(table: Table, rounds: int) -> None:
         def call():
             rbs[name].extend(steps[it[name] % n_steps])
             it[name] += 1
+
         return call
 
     calls = {name: run(name) for name in rbs}
     what = f"per-step path, layout='step', {n_envs} envs per extend"
-    pair(table, f"{what} / plain extend", calls, "plain", "filter", rounds, 1.25, "<=",
-         note="raw-loop rows, MuJoCo-like, 2% reset rows", group=what)
-    pair(table, f"floor: {what}: reshape-only transform / plain", calls, "plain", "reshape", rounds,
-         group=what)
-    pair(table, f"floor: {what}: minimal compaction / plain", calls, "plain", "compact", rounds,
-         group=what)
+    pair(
+        table,
+        f"{what} / plain extend",
+        calls,
+        "plain",
+        "filter",
+        rounds,
+        1.25,
+        "<=",
+        note="raw-loop rows, MuJoCo-like, 2% reset rows",
+        group=what,
+    )
+    pair(
+        table,
+        f"floor: {what}: reshape-only transform / plain",
+        calls,
+        "plain",
+        "reshape",
+        rounds,
+        group=what,
+    )
+    pair(
+        table,
+        f"floor: {what}: minimal compaction / plain",
+        calls,
+        "plain",
+        "compact",
+        rounds,
+        group=what,
+    )
 
 
 def kernel_scaling(table: Table, quick: bool) -> dict:
     """Rows/s of the kernels on flags only (done, reward), 8 streams: the
     planning scan (``plan``, the target's kernel), and planning with the row
     selection after it (``plan_rows``, what a call runs), whose index arrays
-    (8 bytes per kept row, twice here) are fresh memory."""
+    (8 bytes per kept row, twice here) are fresh memory.
+    """
     sizes = [10**3, 10**4, 10**5, 10**6, 10**7]
     series: dict = {"plan": [], "plan_rows": []}
     for n in sizes:
@@ -278,10 +446,28 @@ def kernel_scaling(table: Table, quick: bool) -> dict:
         reward = np.ones(n, np.float32)
         reward[1::50] = 0
         none = np.zeros(0, bool)
-        args = (n, n // 8, np.zeros(0, np.int64), done, none, none, False, reward, none, none,
-                np.zeros((5, 8), np.int64), True, False, False, True, True)
-        for name, fn, fn_args in (("plan", _kernels.plan, args),
-                                  ("plan_rows", _kernels.plan_rows, (*args, False))):
+        args = (
+            n,
+            n // 8,
+            np.zeros(0, np.int64),
+            done,
+            none,
+            none,
+            False,
+            reward,
+            none,
+            none,
+            np.zeros((5, 8), np.int64),
+            True,
+            False,
+            False,
+            True,
+            True,
+        )
+        for name, fn, fn_args in (
+            ("plan", _kernels.plan, args),
+            ("plan_rows", _kernels.plan_rows, (*args, False)),
+        ):
             fn(*fn_args)
             reps = max(5, (10**6 if quick else 10**7) // n)
             ts = []
@@ -289,23 +475,43 @@ def kernel_scaling(table: Table, quick: bool) -> dict:
                 t = time.perf_counter()
                 fn(*fn_args)
                 ts.append(time.perf_counter() - t)
-            series[name].append({"rows": n, "rows_per_s": n / statistics.median(ts),
-                                 "ns_per_row": statistics.median(ts) / n * 1e9})
+            series[name].append(
+                {
+                    "rows": n,
+                    "rows_per_s": n / statistics.median(ts),
+                    "ns_per_row": statistics.median(ts) / n * 1e9,
+                }
+            )
     for name, case, op in (
         ("plan", "planning kernel throughput at 10^6 rows (flags only)", ">="),
         ("plan_rows", "planning and row selection (the kernel call of a write) at 10^6 rows", None),
     ):
         at6 = next(s for s in series[name] if s["rows"] == 10**6)
-        spread = (max(s["ns_per_row"] for s in series[name][1:])
-                  / min(s["ns_per_row"] for s in series[name][1:]))
-        table.add(case, "-", f"{at6['ns_per_row']:.2f} ns/row", at6["rows_per_s"] / 1e6, 200, op,
-                  unit="M rows/s", note=f"per-row cost varies {spread:.1f}x from 10^4 to 10^7 rows")
+        spread = max(s["ns_per_row"] for s in series[name][1:]) / min(
+            s["ns_per_row"] for s in series[name][1:]
+        )
+        table.add(
+            case,
+            "-",
+            f"{at6['ns_per_row']:.2f} ns/row",
+            at6["rows_per_s"] / 1e6,
+            200,
+            op,
+            unit="M rows/s",
+            note=f"per-row cost varies {spread:.1f}x from 10^4 to 10^7 rows",
+        )
     return series
 
 
 def child(what: str, variant: str, env=None) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.child", what, variant], capture_output=True,
-                         text=True, check=True, env=env, cwd=HERE.parent)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.child", what, variant],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        cwd=HERE.parent,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -313,7 +519,8 @@ def startup_case(table: Table, rounds: int = 4) -> None:
     """Fresh processes, the variants alternating round after round. The totals
     are the fastest of each variant (a process start moves by 0.3 s and more
     with the machine); the times after the imports of torch and torchrl, which
-    move less, are medians."""
+    move less, are medians.
+    """
     child("startup", "filter")  # make sure both numba caches are warm
     child("startup", "numba")
     runs = {"plain": [], "numba": [], "filter": []}
@@ -324,15 +531,29 @@ def startup_case(table: Table, rounds: int = 4) -> None:
     after = {v: statistics.median(r["after_import_s"] for r in got) for v, got in runs.items()}
     env = dict(os.environ, NUMBA_CACHE_DIR=tempfile.mkdtemp(prefix="cleanbuf-cold-"))
     cold = child("startup", "filter", env)["total_s"]
-    table.add("fresh process: import + first extend, numba cache warm (seconds)", f"{plain:.2f} s",
-              f"{ours:.2f} s", ours, 1.0, "<=", unit="s",
-              note=f"baseline = the same process with a plain buffer; cold cache: {cold:.2f} s; "
-                   f"after torch and torchrl are imported: {after['filter']:.2f} s, "
-                   f"median of {rounds}")
-    table.add("floor: fresh process: the baseline, then import numba and call one trivial cached "
-              "kernel (numba's import and its typing and target contexts, built on a first call)",
-              f"{plain:.2f} s", f"{floor:.2f} s", floor, None, None, unit="s",
-              note=f"after torch and torchrl are imported: {after['numba']:.2f} s")
+    table.add(
+        "fresh process: import + first extend, numba cache warm (seconds)",
+        f"{plain:.2f} s",
+        f"{ours:.2f} s",
+        ours,
+        1.0,
+        "<=",
+        unit="s",
+        note=f"baseline = the same process with a plain buffer; cold cache: {cold:.2f} s; "
+        f"after torch and torchrl are imported: {after['filter']:.2f} s, "
+        f"median of {rounds}",
+    )
+    table.add(
+        "floor: fresh process: the baseline, then import numba and call one trivial cached "
+        "kernel (numba's import and its typing and target contexts, built on a first call)",
+        f"{plain:.2f} s",
+        f"{floor:.2f} s",
+        floor,
+        None,
+        None,
+        unit="s",
+        note=f"after torch and torchrl are imported: {after['numba']:.2f} s",
+    )
 
 
 def memory_case(table: Table) -> None:
@@ -344,13 +565,18 @@ def memory_case(table: Table) -> None:
     are freed, freed batches stay in the heap, and a peak moves with the
     allocator's timing: the plain buffer's alone moved by 1.5 batches between
     identical runs (792 MB to 879 MB), far more than the 2% this case must
-    resolve. A second row, for information, runs them with glibc's default."""
+    resolve. A second row, for information, runs them with glibc's default.
+    """
     fixed = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024))
     default = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-    for env, case in ((fixed, "peak memory streaming 1 GB of Atari-like batches: (ours - plain) "
-                              "/ one batch"),
-                      (default, "peak memory, the same with glibc's default mmap threshold "
-                                "(information: the peaks move with the allocator's timing)")):
+    for env, case in (
+        (fixed, "peak memory streaming 1 GB of Atari-like batches: (ours - plain) / one batch"),
+        (
+            default,
+            "peak memory, the same with glibc's default mmap threshold "
+            "(information: the peaks move with the allocator's timing)",
+        ),
+    ):
         runs = {v: [child("memory", v, env) for _ in range(3)] for v in ("plain", "filter")}
         plain, ours = (sorted(r, key=lambda x: x["peak_bytes"])[1] for r in runs.values())
         extra = (ours["peak_bytes"] - plain["peak_bytes"]) / ours["batch_bytes"]
@@ -358,15 +584,27 @@ def memory_case(table: Table) -> None:
         if env is fixed:
             once = (ours["warm_bytes"] - plain["warm_bytes"]) / 2**20
             target, op = 1.0, "<="
-            note = (f"one batch = {ours['batch_bytes'] / 2**20:.1f} MiB; glibc mmap threshold "
-                    f"fixed at 128 KiB in both; each extends once to warm up, after which the "
-                    f"filter's process holds {once:.1f} MiB more, its code and state")
+            note = (
+                f"one batch = {ours['batch_bytes'] / 2**20:.1f} MiB; glibc mmap threshold "
+                f"fixed at 128 KiB in both; each extends once to warm up, after which the "
+                f"filter's process holds {once:.1f} MiB more, its code and state"
+            )
         else:
             target, op = None, None
-            note = (f"the three peaks spread over {max(mib['plain']) - min(mib['plain']):.0f} MiB "
-                    f"(plain) and {max(mib['filter']) - min(mib['filter']):.0f} MiB (filter)")
-        table.add(case, f"{plain['peak_bytes'] / 2**20:.1f} MiB",
-                  f"{ours['peak_bytes'] / 2**20:.1f} MiB", extra, target, op, digits=3, note=note)
+            note = (
+                f"the three peaks spread over {max(mib['plain']) - min(mib['plain']):.0f} MiB "
+                f"(plain) and {max(mib['filter']) - min(mib['filter']):.0f} MiB (filter)"
+            )
+        table.add(
+            case,
+            f"{plain['peak_bytes'] / 2**20:.1f} MiB",
+            f"{ours['peak_bytes'] / 2**20:.1f} MiB",
+            extra,
+            target,
+            op,
+            digits=3,
+            note=note,
+        )
 
 
 def machine() -> dict:
@@ -404,13 +642,27 @@ def plot(table: Table, series: dict, path: Path) -> None:
     y = np.arange(len(rows))
     colors = ["tab:green" if r["pass"] == "pass" else "tab:red" for r in rows]
     a.barh(y, [r["ratio"] for r in rows], color=colors)
-    a.scatter([r["target_value"] for r in rows], y, marker="|", s=400, color="black", label="target")
-    a.scatter([-floors[g][1] for g in labels], y, marker="x", s=60, color="tab:blue",
-              label="floor: best minimal compaction (reshape-only where nothing is dropped)")
+    a.scatter(
+        [r["target_value"] for r in rows], y, marker="|", s=400, color="black", label="target"
+    )
+    a.scatter(
+        [-floors[g][1] for g in labels],
+        y,
+        marker="x",
+        s=60,
+        color="tab:blue",
+        label="floor: best minimal compaction (reshape-only where nothing is dropped)",
+    )
     with_cleaning = [i for i, g in enumerate(labels) if g in cleaning]
-    a.scatter([cleaning[labels[i]] for i in with_cleaning], with_cleaning, marker="o", s=40,
-              facecolors="none", edgecolors="tab:purple",
-              label="floor: minimal cleaning (the same rows as the filter)")
+    a.scatter(
+        [cleaning[labels[i]] for i in with_cleaning],
+        with_cleaning,
+        marker="o",
+        s=40,
+        facecolors="none",
+        edgecolors="tab:purple",
+        label="floor: minimal cleaning (the same rows as the filter)",
+    )
     a.axvline(1.0, color="grey", lw=0.8)
     a.set_yticks(y, labels, fontsize=8)
     a.invert_yaxis()
@@ -418,8 +670,12 @@ def plot(table: Table, series: dict, path: Path) -> None:
     a.set_title("write path cost (lower is better)")
     a.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8)
     for name, label in (("plan", "planning (plan)"), ("plan_rows", "planning + row selection")):
-        b.loglog([s["rows"] for s in series[name]], [s["rows_per_s"] for s in series[name]], "o-",
-                 label=label)
+        b.loglog(
+            [s["rows"] for s in series[name]],
+            [s["rows_per_s"] for s in series[name]],
+            "o-",
+            label=label,
+        )
     b.axhline(200e6, color="black", ls="--", lw=0.8, label="target at 10^6: 200 M rows/s")
     b.set_xlabel("rows per call")
     b.set_ylabel("rows / s")
@@ -446,15 +702,18 @@ def main(argv=None) -> None:
         startup_case(table)
         memory_case(table)
     info = machine()
-    header = (f"Machine: {info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch thread; "
-              f"Python {info['python']}, torch {info['torch']}, torchrl {info['torchrl']}, "
-              f"tensordict {info['tensordict']}, numba {info['numba']}, numpy {info['numpy']}.")
+    header = (
+        f"Machine: {info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch thread; "
+        f"Python {info['python']}, torch {info['torch']}, torchrl {info['torchrl']}, "
+        f"tensordict {info['tensordict']}, numba {info['numba']}, numpy {info['numpy']}."
+    )
     md = header + "\n\n" + table.markdown() + "\n"
     print(md)
     if not q:
         (HERE / "results.md").write_text(md)
-        (HERE / "results.json").write_text(json.dumps(
-            {"machine": info, "rows": table.rows, "kernel_scaling": series}, indent=1))
+        (HERE / "results.json").write_text(
+            json.dumps({"machine": info, "rows": table.rows, "kernel_scaling": series}, indent=1)
+        )
         plot(table, series, HERE / "results.png")
 
 

@@ -11,7 +11,6 @@ The public API:
 """
 
 from cleanbuf._clean import clean
-from cleanbuf._rows import step_rows
 from cleanbuf._errors import (
     CleanbufError,
     ContinuityError,
@@ -20,6 +19,7 @@ from cleanbuf._errors import (
     ResetRowError,
     TerminalObservationLostError,
 )
+from cleanbuf._rows import step_rows
 from cleanbuf._transform import AutoresetFilter
 
 __all__ = [
@@ -33,4 +33,4 @@ __all__ = [
     "clean",
     "step_rows",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

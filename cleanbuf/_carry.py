@@ -78,21 +78,26 @@ class Carry:
         """The streams the state covers."""
         return self.per_stream.shape[1]
 
-    def snapshot(self) -> "Carry":
+    def snapshot(self) -> Carry:
         """A shallow copy (cheaper than ``copy.copy``): a call replaces the
         fields of its carry and never writes into their values, so the copy
-        stays what the carry was."""
+        stays what the carry was.
+        """
         out = object.__new__(Carry)
         out.__dict__.update(self.__dict__)
         return out
 
     def is_blank(self) -> bool:
         """Whether nothing carries over: no held row, no flag, every stream's
-        last row done (a new carry is blank)."""
-        return not (len(self.held_stream) or np.count_nonzero(self.per_stream)
-                    or np.count_nonzero(self.last.open))
+        last row done (a new carry is blank).
+        """
+        return not (
+            len(self.held_stream)
+            or np.count_nonzero(self.per_stream)
+            or np.count_nonzero(self.last.open)
+        )
 
-    def grown(self, n_streams: int) -> "Carry":
+    def grown(self, n_streams: int) -> Carry:
         """A shallow copy whose per-stream state covers ``n_streams`` streams.
 
         Callers replace the copy's arrays and never write into them, so the
@@ -111,7 +116,9 @@ class Carry:
             "version": STATE_VERSION,
             "stream_shape": None if self.stream_shape is None else list(self.stream_shape),
             "layout_kind": self.layout_kind,
-            "stream_ids": None if self.stream_ids is None else torch.from_numpy(self.stream_ids.copy()),
+            "stream_ids": None
+            if self.stream_ids is None
+            else torch.from_numpy(self.stream_ids.copy()),
             "held": {k: v.clone() for k, v in self.held.items()},
             "held_stream": torch.from_numpy(self.held_stream.copy()),
             "last_next": {k: torch.as_tensor(v).clone() for k, v in self.last.next_obs.items()},
@@ -123,7 +130,7 @@ class Carry:
         return state
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "Carry":
+    def from_state_dict(cls, state: dict) -> Carry:
         """Rebuilds the carry from :meth:`state_dict`'s output."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise InputError(
@@ -145,8 +152,12 @@ class Carry:
             held_stream=state["held_stream"].numpy().copy(),
             last=LastRows(
                 {tuple(k): v.clone() for k, v in state.get("last_next", {}).items()},
-                state["last_open"].numpy().copy() if "last_open" in state else np.zeros(0, np.bool_),
+                state["last_open"].numpy().copy()
+                if "last_open" in state
+                else np.zeros(0, np.bool_),
             ),
-            traj_ids=state["traj_ids"].numpy().copy() if "traj_ids" in state else np.zeros(0, np.int64),
+            traj_ids=state["traj_ids"].numpy().copy()
+            if "traj_ids" in state
+            else np.zeros(0, np.int64),
             per_stream=per_stream,
         )

@@ -18,21 +18,12 @@ from tensordict import TensorDict, TensorDictBase
 from cleanbuf import _kernels
 from cleanbuf._carry import Carry
 from cleanbuf._continuity import CallEnds, LastRows
-from cleanbuf._retry import Fingerprint, SameBatchAgain, Undo
 from cleanbuf._errors import (
     CleanbufError,
     InputError,
     LayoutError,
     ResetRowError,
     TerminalObservationLostError,
-)
-from cleanbuf._keys import (
-    check_same_layout,
-    done_flags,
-    row_flags as _flags,
-    final_entries,
-    batch_leaves,
-    observation_keys,
 )
 from cleanbuf._kernels import (
     MARKED,
@@ -44,11 +35,22 @@ from cleanbuf._kernels import (
     WAITING,
     Selection,
 )
+from cleanbuf._keys import (
+    batch_leaves,
+    check_same_layout,
+    done_flags,
+    final_entries,
+    observation_keys,
+)
+from cleanbuf._keys import (
+    row_flags as _flags,
+)
 from cleanbuf._layout import CallLayout, resolve
 from cleanbuf._move import Views
 from cleanbuf._options import Options
 from cleanbuf._patch import as_td, fill_rows, fix_bookkeeping, move, write_next_obs
 from cleanbuf._pool import BufferPool
+from cleanbuf._retry import Fingerprint, SameBatchAgain, Undo
 
 STAT_NAMES = (
     "rows_in",
@@ -130,7 +132,8 @@ class Cleaner:
             # The last call's batch again (recognised by its trajectory ids, or
             # by its observations once it fails to follow the streams).
             again = self._undo is not None and (
-                isinstance(err, SameBatchAgain) or self._undo.same_batch(self._fingerprint))
+                isinstance(err, SameBatchAgain) or self._undo.same_batch(self._fingerprint)
+            )
             if not again:
                 raise
             last, self._undo = self._undo, None
@@ -225,8 +228,11 @@ class Cleaner:
         carry = self._carry.grown(n_streams) if n_streams > self._carry.n_streams else self._carry
         restart = self._restart_rows(views, n)
         last = self._continuity(views, obs_keys, obs_only, layout, done, restart)
-        if not (obs_only and stitch) and not np.count_nonzero(done) and self._nothing_pending(
-                carry, leaves):
+        if (
+            not (obs_only and stitch)
+            and not np.count_nonzero(done)
+            and self._nothing_pending(carry, leaves)
+        ):
             # No episode end, no row waiting, no fix pending: the rows are clean
             # as they are (views of the batch; nothing is copied). A pending
             # is_init fix can only be left here if the rows have no is_init:
@@ -239,11 +245,21 @@ class Cleaner:
             return self._pass_through(views, moved, layout, done, td.device)
         mark = self._mark_rows(views, layout, done, restart)
         planned = _kernels.plan_rows(
-            n, layout.steps, layout.stream, done,
+            n,
+            layout.steps,
+            layout.stream,
+            done,
             self._joint(done, mark, layout, n_streams) if opts.joint_reset else _NO_FLAGS,
-            _NO_FLAGS if present is None else present, bool(final_of),
-            self._reward_rows(views, n), restart, mark, carry.per_stream, not same_step,
-            obs_only and stitch, same_step and stitch, stitch,
+            _NO_FLAGS if present is None else present,
+            bool(final_of),
+            self._reward_rows(views, n),
+            restart,
+            mark,
+            carry.per_stream,
+            not same_step,
+            obs_only and stitch,
+            same_step and stitch,
+            stitch,
             stitch and (obs_only or not self._in_done_row(layout.kind)),
             opts.on_lost_terminal_obs == "drop",
         )
@@ -251,8 +267,9 @@ class Cleaner:
         if bad_row >= 0:
             self._raise_bad_reset_row(bad_row, done, layout)
         rel = _Release.of(carry, released_src, n_streams, opts.done_key)
-        policy = self._lost_policy(obs_keys, leaves, n_lost + n_next_lost + rel.n_lost,
-                                   final_missing=same_step)
+        policy = self._lost_policy(
+            obs_keys, leaves, n_lost + n_next_lost + rel.n_lost, final_missing=same_step
+        )
         if policy == "drop":
             rel = rel.without_lost()
         sel = Selection.unpack(rows, ends)
@@ -260,21 +277,31 @@ class Cleaner:
         rel_streams, rel_slots = rel.streams, rel.slots
         n_rel = len(rel_streams)
         patched = set()
-        if stitch and not obs_only and (len(stitched) or rel.n_stitched or len(final) or
-                                        ((len(lost) or rel.n_lost) and policy == "nan")):
+        if (
+            stitch
+            and not obs_only
+            and (
+                len(stitched)
+                or rel.n_stitched
+                or len(final)
+                or ((len(lost) or rel.n_lost) and policy == "nan")
+            )
+        ):
             patched.update(("next", *k) for k in obs_keys)
         if len(emit_init):
             patched.add(opts.is_init_key)
         if len(emit_shift):  # fix_bookkeeping shifts whichever step counts are present
             patched.update(opts.step_count_keys)
-        out, new_held = move(moved, views, carry.held, rel_slots, emit, hold, n, patched,
-                             self._pool)
+        out, new_held = move(
+            moved, views, carry.held, rel_slots, emit, hold, n, patched, self._pool
+        )
         if stitch:
             write_next_obs(out, n_rel, views, obs_keys, sel, rel.src, final_of, policy, obs_only)
         fix_bookkeeping(out, n_rel, emit_init, emit_shift, opts.is_init_key, opts.step_count_keys)
         if new_held:
-            fix_bookkeeping(Views(new_held), 0, hold_init, hold_shift, opts.is_init_key,
-                            opts.step_count_keys)
+            fix_bookkeeping(
+                Views(new_held), 0, hold_init, hold_shift, opts.is_init_key, opts.step_count_keys
+            )
         # Commit: nothing below raises. (The kernel returned a fresh carry array,
         # so until here the old state was untouched.)
         carry.per_stream = per_stream
@@ -282,7 +309,9 @@ class Cleaner:
         if len(carry.held_stream) or len(hold):
             kept_old = released_src[carry.held_stream] == -1
             carry.held = _cat_held(carry.held, kept_old, new_held)
-            carry.held_stream = np.concatenate([carry.held_stream[kept_old], layout.stream_of(hold)])
+            carry.held_stream = np.concatenate(
+                [carry.held_stream[kept_old], layout.stream_of(hold)]
+            )
         self._carry = carry
         self._commit_layout(layout)
         n_out = n_rel + len(emit)
@@ -385,8 +414,11 @@ class Cleaner:
         saved = state.get("options")
         if saved is not None:
             mine = self.options.as_dict()
-            diff = [f"{k}={saved.get(k)!r} (this filter: {v!r})" for k, v in mine.items()
-                    if saved.get(k) != v]
+            diff = [
+                f"{k}={saved.get(k)!r} (this filter: {v!r})"
+                for k, v in mine.items()
+                if saved.get(k) != v
+            ]
             if diff:
                 raise InputError(
                     f"this state was saved by a filter with other options: {', '.join(diff)}. "
@@ -404,7 +436,8 @@ class Cleaner:
     def _in_done_row(self, layout_kind: str | None) -> bool:
         """Whether a done row already holds its terminal observation: as
         configured, else True except for time-last (TorchRL collector) batches,
-        whose done rows TorchRL zero-fills."""
+        whose done rows TorchRL zero-fills.
+        """
         if self.options.terminal_obs_in_done_row is not None:
             return self.options.terminal_obs_in_done_row
         return layout_kind != "time_last"
@@ -412,7 +445,8 @@ class Cleaner:
     def _nothing_pending(self, carry, leaves: dict) -> bool:
         """True when, in a call without an episode end, there is no reset row
         to drop, no row waiting, and no bookkeeping fix that applies to the
-        keys the call has."""
+        keys the call has.
+        """
         # (count_nonzero: a third of what any() costs on these small arrays)
         nonzero, per_stream = np.count_nonzero, carry.per_stream
         if nonzero(per_stream[PENDING]) or nonzero(per_stream[WAITING]):
@@ -425,7 +459,8 @@ class Cleaner:
 
     def _observation_keys(self, leaves: dict) -> tuple[list, bool]:
         """:func:`observation_keys`, whose key discovery is remembered per key set;
-        the shapes and dtypes are checked on every call."""
+        the shapes and dtypes are checked on every call.
+        """
         key = tuple(leaves)
         found = self._obs_keys.get(key)
         if found is None:
@@ -479,7 +514,8 @@ class Cleaner:
 
     def _check_held_schema(self, leaves: dict, batch_dims: int) -> None:
         """Raises unless the batch's leaves match the held rows (called while
-        rows are held)."""
+        rows are held).
+        """
         held = self._carry.held
         if set(held) != set(leaves):
             raise InputError(
@@ -496,11 +532,13 @@ class Cleaner:
                     f"{list(v.shape[batch_dims:])} and {v.dtype}. Call flush() before changing it."
                 )
 
-    def _joint(self, done: np.ndarray, mark: np.ndarray, layout: CallLayout,
-               n_streams: int) -> np.ndarray:
+    def _joint(
+        self, done: np.ndarray, mark: np.ndarray, layout: CallLayout, n_streams: int
+    ) -> np.ndarray:
         """Per row, done at a step where its whole reset group is done (with
         ``joint_reset``); a collector's undecided batch-end marks do not count
-        (if they hid a real joint reset, the next row is a restart)."""
+        (if they hid a real joint reset, the next row is a restart).
+        """
         group = self.options.reset_group_size or n_streams
         if n_streams % group:
             raise LayoutError(
@@ -513,12 +551,20 @@ class Cleaner:
         d = done.reshape(n_streams // group, group, layout.steps)
         return (d & d.all(axis=1, keepdims=True)).reshape(-1)
 
-    def _continuity(self, views: Views, obs_keys: list, obs_only: bool, layout: CallLayout,
-                    done: np.ndarray, restart: np.ndarray) -> LastRows:
+    def _continuity(
+        self,
+        views: Views,
+        obs_keys: list,
+        obs_only: bool,
+        layout: CallLayout,
+        done: np.ndarray,
+        restart: np.ndarray,
+    ) -> LastRows:
         """Checks that the call continues the streams of the calls before it
         (:mod:`cleanbuf._continuity`) and is not the last call's batch again
         (:mod:`cleanbuf._retry`); returns the call's last rows, to commit.
-        Time-aligned full transitions only: other calls keep what they had."""
+        Time-aligned full transitions only: other calls keep what they had.
+        """
         if obs_only or layout.kind == "stream_key":
             return self._carry.last
         first = layout.first_rows
@@ -533,7 +579,8 @@ class Cleaner:
 
     def _restart_rows(self, leaves: Views, n_rows: int) -> np.ndarray:
         """Per row, whether it comes after a real reset of its env: ``is_init``
-        where the rows have it, else ``step_count == 0``; empty when neither."""
+        where the rows have it, else ``step_count == 0``; empty when neither.
+        """
         opts = self.options
         if opts.is_init_key is not None and opts.is_init_key in leaves.tensors:
             return _flags("is_init", opts.is_init_key, leaves)
@@ -542,11 +589,13 @@ class Cleaner:
             return (count.reshape(n_rows, -1)[:, 0] == 0).cpu().numpy()
         return _NO_FLAGS
 
-    def _mark_rows(self, leaves: Views, layout: CallLayout, done: np.ndarray,
-                   restart: np.ndarray) -> np.ndarray:
+    def _mark_rows(
+        self, leaves: Views, layout: CallLayout, done: np.ndarray, restart: np.ndarray
+    ) -> np.ndarray:
         """With ``set_truncated``: per row, a done row on the call's last step
         whose only end signal may be the collector's truncation mark (empty
-        otherwise)."""
+        otherwise).
+        """
         if not self.options.set_truncated or not np.count_nonzero(done):
             return _NO_FLAGS
         if not len(restart):
@@ -596,7 +645,8 @@ class Cleaner:
         """The lost-observation policy to apply to ``n_lost`` rows, or raise.
 
         ``final_missing``: the rows are same-step done rows without a final
-        observation, where the default is to raise."""
+        observation, where the default is to raise.
+        """
         opts = self.options
         policy = opts.on_lost_terminal_obs
         if n_lost == 0:
@@ -637,7 +687,8 @@ class Cleaner:
 
     def _pass_through(self, views: Views, keys, layout, done, device) -> TensorDictBase:
         """Every row of ``keys`` as it came (views of the batch): disabled mode,
-        or a call with nothing to clean."""
+        or a call with nothing to clean.
+        """
         self._commit_layout(layout)
         self._stats["rows_in"] += layout.n_rows
         self._stats["rows_out"] += layout.n_rows
@@ -665,7 +716,7 @@ class _Release:
     n_dropped: int = 0
 
     @classmethod
-    def of(cls, carry: Carry, released_src: np.ndarray, n_streams: int, done_key) -> "_Release":
+    def of(cls, carry: Carry, released_src: np.ndarray, n_streams: int, done_key) -> _Release:
         """Reads the kernel's ``released_src`` against the carry's held rows."""
         if not len(carry.held_stream):
             return cls(NO_ROWS, NO_ROWS, NO_ROWS, _NO_FLAGS)
@@ -691,11 +742,16 @@ class _Release:
     def n_terminal_lost(self) -> int:
         return int(np.count_nonzero(self.lost_done))
 
-    def without_lost(self) -> "_Release":
+    def without_lost(self) -> _Release:
         """The same release with the lost rows left out (the "drop" policy)."""
         keep = self.src != RELEASED_LOST
-        return _Release(self.streams[keep], self.slots[keep], self.src[keep], self.lost_done,
-                        n_dropped=len(self.src) - int(np.count_nonzero(keep)))
+        return _Release(
+            self.streams[keep],
+            self.slots[keep],
+            self.src[keep],
+            self.lost_done,
+            n_dropped=len(self.src) - int(np.count_nonzero(keep)),
+        )
 
 
 def _cat_held(held: dict, kept_old: np.ndarray, new_held: dict) -> dict:

@@ -43,8 +43,15 @@ class CallEnds:
     last_open: np.ndarray
 
     @classmethod
-    def of_call(cls, rows: Views, obs_keys: list, first: np.ndarray, last: np.ndarray,
-                done: np.ndarray, restart: np.ndarray) -> "CallEnds":
+    def of_call(
+        cls,
+        rows: Views,
+        obs_keys: list,
+        first: np.ndarray,
+        last: np.ndarray,
+        done: np.ndarray,
+        restart: np.ndarray,
+    ) -> CallEnds:
         """Reads the rows ``first`` and ``last`` (one per stream) of a call.
 
         Examples:
@@ -77,7 +84,7 @@ class LastRows:
     open: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.bool_))
 
     @classmethod
-    def of(cls, ends: CallEnds) -> "LastRows":
+    def of(cls, ends: CallEnds) -> LastRows:
         """The last rows of a call."""
         return cls(ends.last_next_obs, ends.last_open)
 
@@ -133,9 +140,15 @@ def _index(x, streams: np.ndarray):
 
 def same_bytes(a, b) -> bool:
     """Whether two numpy arrays hold the same bytes (the common case of
-    :func:`same_rows`, in one comparison); False for anything else."""
-    return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
-                and a.shape == b.shape and a.tobytes() == b.tobytes())
+    :func:`same_rows`, in one comparison); False for anything else.
+    """
+    return (
+        isinstance(a, np.ndarray)
+        and isinstance(b, np.ndarray)
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.tobytes() == b.tobytes()
+    )
 
 
 def same_rows(a, b) -> np.ndarray:

@@ -69,8 +69,24 @@ NO_ROWS.flags.writeable = False
 
 
 @njit(cache=True, nogil=True)
-def plan(n, steps, stream, done, joint, final_ok, final_default, reward, restart, mark, carry,
-         reset_rows, successor, final, stitch, hold_done):
+def plan(
+    n,
+    steps,
+    stream,
+    done,
+    joint,
+    final_ok,
+    final_default,
+    reward,
+    restart,
+    mark,
+    carry,
+    reset_rows,
+    successor,
+    final,
+    stitch,
+    hold_done,
+):
     """Plans one call from flags and the carry state, in one pass over the rows.
 
     It reads one flag byte per row (plus the reward where the reset-row check
@@ -264,7 +280,8 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, restart
 
 class Selection(NamedTuple):
     """The rows of one call, as :func:`select_rows` packs them, in this order
-    (see there)."""
+    (see there).
+    """
 
     emit: np.ndarray
     hold: np.ndarray
@@ -278,7 +295,7 @@ class Selection(NamedTuple):
     hold_shift: np.ndarray
 
     @classmethod
-    def unpack(cls, rows: np.ndarray, ends: tuple) -> "Selection":
+    def unpack(cls, rows: np.ndarray, ends: tuple) -> Selection:
         """Splits the packed rows at ``ends`` (slices: views of ``rows``; an
         empty part is one shared read-only empty array, cheaper than a slice).
 
@@ -375,13 +392,40 @@ def select_rows(code, next_src, drop_lost):
             if n_emit_shift:
                 rows[emit_shift_at + a] = sh
             a += 1
-    return rows, (hold_at, stitched_at, src_at, lost_at, final_at, emit_init_at, hold_init_at,
-                  emit_shift_at, hold_shift_at, end)
+    return rows, (
+        hold_at,
+        stitched_at,
+        src_at,
+        lost_at,
+        final_at,
+        emit_init_at,
+        hold_init_at,
+        emit_shift_at,
+        hold_shift_at,
+        end,
+    )
 
 
 @njit(cache=True, nogil=True)
-def plan_rows(n, steps, stream, done, joint, final_ok, final_default, reward, restart, mark, carry,
-              reset_rows, successor, final, stitch, hold_done, drop_lost):
+def plan_rows(
+    n,
+    steps,
+    stream,
+    done,
+    joint,
+    final_ok,
+    final_default,
+    reward,
+    restart,
+    mark,
+    carry,
+    reset_rows,
+    successor,
+    final,
+    stitch,
+    hold_done,
+    drop_lost,
+):
     """:func:`plan`, then :func:`select_rows`, in one call from Python.
 
     The arguments are those of the two (``drop_lost`` is that of
@@ -395,8 +439,23 @@ def plan_rows(n, steps, stream, done, joint, final_ok, final_default, reward, re
         is empty.
     """
     code, next_src, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row = plan(
-        n, steps, stream, done, joint, final_ok, final_default, reward, restart, mark, carry,
-        reset_rows, successor, final, stitch, hold_done)
+        n,
+        steps,
+        stream,
+        done,
+        joint,
+        final_ok,
+        final_default,
+        reward,
+        restart,
+        mark,
+        carry,
+        reset_rows,
+        successor,
+        final,
+        stitch,
+        hold_done,
+    )
     if bad_row >= 0:
         code = code[:0]
     rows, ends = select_rows(code, next_src, drop_lost)

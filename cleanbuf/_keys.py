@@ -62,7 +62,8 @@ def batch_leaves(td: TensorDictBase) -> dict:
 def _walk(td: TensorDictBase, prefix: tuple, leaves: dict) -> bool:
     """Collects the tensor leaves of a plain ``TensorDict`` tree from its key
     dicts (a few microseconds instead of ``items()``'s tens); False for any
-    other kind of node."""
+    other kind of node.
+    """
     if type(td) is not TensorDict:
         return False
     for key, value in td._tensordict.items():
@@ -78,7 +79,8 @@ def row_flags(name: str, key: tuple, rows: Views) -> np.ndarray:
 
     A CPU leaf is read through its numpy view, which the move of the same
     leaf reuses, and checked with numpy, which is cheaper than torch's
-    checks; the error messages come from the torch path."""
+    checks; the error messages come from the torch path.
+    """
     a = rows[key]
     n_rows = rows.n_rows
     if a is not None and a.dtype == np.bool_ and a.size == n_rows:
@@ -90,10 +92,10 @@ def row_flags(name: str, key: tuple, rows: Views) -> np.ndarray:
             f"Fix: data.set({key!r}, data.get({key!r}).bool()) before the filter, or "
             "fix the producer."
         )
-    if value.shape[rows.batch_dims:].numel() != 1:
+    if value.shape[rows.batch_dims :].numel() != 1:
         raise InputError(
             f"{name} key {_fmt(key)} must hold one flag per row (shape [*batch] or "
-            f"[*batch, 1]); got trailing shape {list(value.shape[rows.batch_dims:])}. "
+            f"[*batch, 1]); got trailing shape {list(value.shape[rows.batch_dims :])}. "
             "Multi-agent done flags need one env-level done; pass done_key= with such a key."
         )
     return value.reshape(n_rows).cpu().numpy()
@@ -206,7 +208,8 @@ def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> 
 
 def check_same_layout(leaves: dict, key: tuple, other: tuple) -> None:
     """Raises unless ``other`` has the shape and dtype of ``key`` (the rows of one
-    can then be written into the other)."""
+    can then be written into the other).
+    """
     a, b = leaves[key], leaves[other]
     if a.shape != b.shape or a.dtype != b.dtype:
         raise InputError(
@@ -216,7 +219,11 @@ def check_same_layout(leaves: dict, key: tuple, other: tuple) -> None:
         )
 
 
-FINAL_KEYS = (("next", "final_obs"), ("next", "final_observation"), ("next", "terminal_observation"))
+FINAL_KEYS = (
+    ("next", "final_obs"),
+    ("next", "final_observation"),
+    ("next", "terminal_observation"),
+)
 
 
 def _common_parent(keys: list) -> tuple:
@@ -228,8 +235,9 @@ def _common_parent(keys: list) -> tuple:
     return first[:n]
 
 
-def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, n_rows: int,
-                  batch_dims: int = 1):
+def final_entries(
+    leaves: dict, declared: tuple | None, obs_keys: list, n_rows: int, batch_dims: int = 1
+):
     """Finds the same-step final-observation entry for each observation key.
 
     The entry is ``declared`` or the first of :data:`FINAL_KEYS` present. It
@@ -288,7 +296,7 @@ def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, n_rows: 
         final_of = {k: (*prefix, *k) for k in obs_keys}
         parent = _common_parent(obs_keys)
         if parent and any(f not in leaves for f in final_of.values()):
-            relative = {k: (*prefix, *k[len(parent):]) for k in obs_keys}
+            relative = {k: (*prefix, *k[len(parent) :]) for k in obs_keys}
             if all(f in leaves for f in relative.values()):
                 final_of = relative
         missing = ", ".join(_fmt(f) for f in final_of.values() if f not in leaves)

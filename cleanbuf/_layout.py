@@ -172,8 +172,10 @@ def resolve(
     order = np.argsort(known, kind="stable")
     pos = np.searchsorted(known[order], uniq)
     pos_clipped = np.minimum(pos, max(len(known) - 1, 0))
-    found = (pos < len(known)) & (known[order][pos_clipped] == uniq) if len(known) else (
-        np.zeros(len(uniq), bool)
+    found = (
+        (pos < len(known)) & (known[order][pos_clipped] == uniq)
+        if len(known)
+        else (np.zeros(len(uniq), bool))
     )
     slot = np.empty(len(uniq), np.int64)
     slot[found] = order[pos_clipped[found]]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-
 # Rows up to this size on the CPU move with numpy's take (see above).
 SMALL_ROW_BYTES = 128
 
@@ -79,7 +78,8 @@ class Views(dict):
 
     def flat(self, key) -> torch.Tensor:
         """``tensors[key]`` with its batch dimensions flattened into one (a view
-        where possible)."""
+        where possible).
+        """
         x = self._flat.get(key)
         if x is None:
             x = self._flat[key] = self.tensors[key].flatten(0, self.batch_dims - 1)
@@ -88,7 +88,7 @@ class Views(dict):
     def __missing__(self, key):
         a = numpy_view(self.tensors[key])
         if a is not None and self.batch_dims != 1:
-            a = a.reshape(self._rows + a.shape[self.batch_dims:])
+            a = a.reshape(self._rows + a.shape[self.batch_dims :])
         self[key] = a
         return a
 

@@ -109,7 +109,7 @@ class Options:
         return () if key is None else (key, ("next", *key))
 
     @classmethod
-    def build(cls, mode: Any = "next_step", **kwargs: Any) -> "Options":
+    def build(cls, mode: Any = "next_step", **kwargs: Any) -> Options:
         """Validates user options and returns them normalized.
 
         Args:
@@ -129,9 +129,7 @@ class Options:
         names = {f.name for f in dataclasses.fields(cls)} - {"mode"}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            raise CleanbufError(
-                f"unknown option(s) {unknown}; the options are {sorted(names)}."
-            )
+            raise CleanbufError(f"unknown option(s) {unknown}; the options are {sorted(names)}.")
         mode = normalize_mode(mode)
         stream_key = _key(kwargs.pop("stream_key", None))
         layout = kwargs.pop("layout", None)
@@ -157,8 +155,7 @@ class Options:
         policy = kwargs.get("on_lost_terminal_obs")
         if policy is not None and policy not in LOST_POLICIES:
             raise CleanbufError(
-                f"on_lost_terminal_obs={policy!r} is not known; pass one of "
-                f"{LOST_POLICIES}."
+                f"on_lost_terminal_obs={policy!r} is not known; pass one of {LOST_POLICIES}."
             )
         joint = bool(kwargs.get("joint_reset", False))
         group = kwargs.get("reset_group_size")
@@ -198,8 +195,14 @@ class Options:
                 f"producer_key= tells apart producers of [*E, T] batches (a "
                 f"MultiAsyncCollector's workers); it does not go with layout={layout!r}."
             )
-        for name in ("done_key", "reward_key", "is_init_key", "step_count_key", "final_obs_key",
-                     "producer_key"):
+        for name in (
+            "done_key",
+            "reward_key",
+            "is_init_key",
+            "step_count_key",
+            "final_obs_key",
+            "producer_key",
+        ):
             if name in kwargs:
                 kwargs[name] = _key(kwargs[name])
         return cls(

@@ -18,7 +18,6 @@ except ImportError as err:  # pragma: no cover - depends on the install
     raise ImportError(
         "cleanbuf's oracle and demo need gymnasium: pip install 'cleanbuf[gym]'"
     ) from err
-from tensordict import TensorDict
 from torchrl.collectors import Collector
 from torchrl.envs import Compose, GymEnv, GymWrapper, InitTracker, StepCounter, TransformedEnv
 

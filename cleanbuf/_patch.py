@@ -26,8 +26,17 @@ from cleanbuf._pool import MIN_POOLED_BYTES, BufferPool
 ROW_LOOP_BYTES = 16 * 1024
 
 
-def move(moved: dict, views: Views, held: dict, rel_slots: np.ndarray, emit: np.ndarray,
-         hold: np.ndarray, n_rows: int, patched: set, pool: BufferPool):
+def move(
+    moved: dict,
+    views: Views,
+    held: dict,
+    rel_slots: np.ndarray,
+    emit: np.ndarray,
+    hold: np.ndarray,
+    n_rows: int,
+    patched: set,
+    pool: BufferPool,
+):
     """Gathers the rows to emit (after the released held rows) and the rows to hold.
 
     When a call emits every row in order and releases none, nothing moves:
@@ -70,7 +79,7 @@ def move(moved: dict, views: Views, held: dict, rel_slots: np.ndarray, emit: np.
                 continue
             buf = None
             if x.nbytes >= MIN_POOLED_BYTES:
-                feature = x.shape[views.batch_dims:]
+                feature = x.shape[views.batch_dims :]
                 buf = pool.take(k, (size, *feature), x.dtype, x.device)
             head = held[k].index_select(0, slots.on(held[k].device)) if len(slots) else None
             tensors[k] = gather(views.flat(k), emit_rows, head, buf)
@@ -80,8 +89,9 @@ def move(moved: dict, views: Views, held: dict, rel_slots: np.ndarray, emit: np.
     return out, new_held
 
 
-def write_next_obs(out: Views, n_rel, leaves: Views, obs_keys, sel, released_src, final_of,
-                   policy, obs_only):
+def write_next_obs(
+    out: Views, n_rel, leaves: Views, obs_keys, sel, released_src, final_of, policy, obs_only
+):
     """Writes ``("next", k)`` for the output rows whose next observation this call knows.
 
     Args:
@@ -130,7 +140,8 @@ def fix_bookkeeping(rows: Views, offset, init_pos, row_shift, is_init_key, step_
     the step counts (``step_keys``) of rows ``offset:``, where those keys exist.
 
     ``row_shift`` is int64 per row from ``offset`` on (to the last row), or
-    empty when no row shifts."""
+    empty when no row shifts.
+    """
     if len(init_pos) and is_init_key in rows.tensors:
         fill_rows(rows, is_init_key, offset + init_pos if offset else init_pos, True)
     if not len(row_shift):

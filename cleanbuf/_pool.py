@@ -45,9 +45,12 @@ class BufferPool:
     def __init__(self):
         self._buffers: dict = {}
 
-    def take(self, key, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    def take(
+        self, key, shape: tuple, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
         """An uninitialized tensor of ``shape`` in reused memory; None for a small
-        one (cheap to allocate: let the caller allocate it)."""
+        one (cheap to allocate: let the caller allocate it).
+        """
         rows, feature = shape[0], tuple(shape[1:])
         row_bytes = dtype.itemsize
         for d in feature:

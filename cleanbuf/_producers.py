@@ -49,7 +49,8 @@ _BOOKKEEPING = {"is_init", "step_count"}
 def _collector_options(collector: Any) -> tuple[dict, str]:
     """A TorchRL collector: its env's options; a multi-process collector's
     workers, each its own reset group; batch-end marks with
-    ``set_truncated=True``; observation-only data with ``compact_obs=True``."""
+    ``set_truncated=True``; observation-only data with ``compact_obs=True``.
+    """
     from torchrl.collectors import MultiCollector
 
     if isinstance(collector, MultiCollector):
@@ -95,8 +96,9 @@ def _multi_collector_options(collector: Any) -> tuple[dict, str, list]:
     try:
         opts, why = _torchrl_options(probe)
         worker_shape = tuple(probe.batch_size)
-        obs_keys = [k if isinstance(k, tuple) else (k,)
-                    for k in probe.observation_spec.keys(True, True)]
+        obs_keys = [
+            k if isinstance(k, tuple) else (k,) for k in probe.observation_spec.keys(True, True)
+        ]
         obs_keys = [k for k in obs_keys if k[-1] not in _BOOKKEEPING]
     finally:
         if probe is not fn:

@@ -46,16 +46,18 @@ class Fingerprint:
     rows: dict
 
     @classmethod
-    def of_call(cls, views: Views, first: np.ndarray, ends: CallEnds) -> "Fingerprint":
+    def of_call(cls, views: Views, first: np.ndarray, ends: CallEnds) -> Fingerprint:
         """The trajectory ids of the rows ``first`` (one per stream), or their
-        observations (``ends``) where the rows have no trajectory ids."""
+        observations (``ends``) where the rows have no trajectory ids.
+        """
         if TRAJ_IDS in views.tensors:
             return cls(True, {TRAJ_IDS: take_rows(views, TRAJ_IDS, first)})
         return cls(False, ends.first_obs)
 
-    def same(self, other: "Fingerprint | None") -> bool:
+    def same(self, other: Fingerprint | None) -> bool:
         """Whether ``other`` has the same first rows, byte for byte (a batch
-        written again is the same batch)."""
+        written again is the same batch).
+        """
         if other is None or other.exact != self.exact or other.rows.keys() != self.rows.keys():
             return False
         return all(_same(a, other.rows[k]) for k, a in self.rows.items())
@@ -77,11 +79,13 @@ class Undo:
     fingerprint: Fingerprint | None = None
 
     @classmethod
-    def of(cls, cleaner) -> "Undo":
+    def of(cls, cleaner) -> Undo:
         """Snapshots ``cleaner`` (its carries are replaced or have their
-        fields replaced by a call, never written into: shallow copies do)."""
-        return cls(cleaner._carry.snapshot(), [g.snapshot() for g in cleaner._groups],
-                   dict(cleaner._stats))
+        fields replaced by a call, never written into: shallow copies do).
+        """
+        return cls(
+            cleaner._carry.snapshot(), [g.snapshot() for g in cleaner._groups], dict(cleaner._stats)
+        )
 
     def same_batch(self, fingerprint: Fingerprint | None) -> bool:
         """Whether a call with ``fingerprint`` brings this call's batch again."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -130,7 +131,9 @@ def step_rows(
                 "truncated=None is for Stable-Baselines3 steps, where the truncations are in "
                 "the list of info dicts; pass truncated= for Gymnasium steps."
             )
-        truncated = torch.tensor([bool(d.get("TimeLimit.truncated", False)) for d in info]).reshape(n, 1)
+        truncated = torch.tensor([bool(d.get("TimeLimit.truncated", False)) for d in info]).reshape(
+            n, 1
+        )
         terminated = terminated & ~truncated
     else:
         truncated = _flag(truncated, n, "truncated")

@@ -11,8 +11,8 @@ from torchrl.envs.transforms import Transform
 
 from cleanbuf._cleaner import STAT_NAMES, Cleaner
 from cleanbuf._compat import calling_replay_buffer
-from cleanbuf._errors import LayoutError
 from cleanbuf._copies import CopyStates, new_copy_name
+from cleanbuf._errors import LayoutError
 from cleanbuf._options import Options
 from cleanbuf._producers import TRAJ_IDS
 
@@ -21,7 +21,8 @@ def _is_storage_init(td: TensorDictBase) -> bool:
     """Whether ``td`` is the batch a TorchRL multi-process collector writes to
     initialise the buffer's storage before its workers start (all zeros, one
     step, trajectory ids included), and removes right after with
-    ``rb.empty()``."""
+    ``rb.empty()``.
+    """
     if not td.batch_dims or td.batch_size[-1] != 1 or TRAJ_IDS not in td.keys(True, True):
         return False
     return not any(v.any() for v in td.values(True, True))
@@ -162,7 +163,7 @@ class AutoresetFilter(Transform):
         self._storage_checked = False  # the buffer's storage takes flat rows (checked once)
 
     @classmethod
-    def for_env(cls, env: Any, **overrides: Any) -> "AutoresetFilter":
+    def for_env(cls, env: Any, **overrides: Any) -> AutoresetFilter:
         """Builds a filter configured for the producer ``env``.
 
         Reads the auto-reset behaviour from TorchRL ``GymEnv`` /
@@ -204,7 +205,8 @@ class AutoresetFilter(Transform):
 
         Once the buffer is shared with worker processes (a multi-process
         collector given the buffer), the sums over every copy of the filter,
-        as each last published its state (after each of its calls)."""
+        as each last published its state (after each of its calls).
+        """
         if self._copies is None:
             return self._cleaner.stats
         total = dict.fromkeys(STAT_NAMES, 0)
@@ -213,7 +215,7 @@ class AutoresetFilter(Transform):
                 total[k] += int(v)
         return total
 
-    def share_memory_(self) -> "AutoresetFilter":
+    def share_memory_(self) -> AutoresetFilter:
         """Called by TorchRL when the buffer is shared with worker processes.
 
         From then on every copy of the filter (one per worker that extends
@@ -275,7 +277,8 @@ class AutoresetFilter(Transform):
         shared): their held rows, in one write; each copy's state then shows
         them stored. Call it once the workers are done (after the
         collector's ``shutdown()``): a worker still running would publish
-        its state again, held rows included."""
+        its state again, held rows included.
+        """
         self._publish()
         cleaners = {}
         for name, state in self._copies.load().items():
@@ -316,7 +319,8 @@ class AutoresetFilter(Transform):
     def _check_storage(self) -> None:
         """Refuses a buffer whose storage has more than one batch dimension: the
         filter's output is flat rows, which TorchRL cannot write there (it
-        fails after the filter has moved on)."""
+        fails after the filter has moved on).
+        """
         rb = calling_replay_buffer()
         storage = getattr(rb, "storage", None) if rb is not None else None
         ndim = getattr(storage, "ndim", 1)

@@ -19,8 +19,13 @@ KEYS = {
     "payload": ("action",),
 }
 FINAL_KEYS = {"final": ("next", "final_obs"), "final_ok": ("next", "_final_obs")}
-DTYPES = {"done": torch.bool, "is_init": torch.bool, "step_count": torch.int64,
-          "next_step_count": torch.int64, "final_ok": torch.bool}
+DTYPES = {
+    "done": torch.bool,
+    "is_init": torch.bool,
+    "step_count": torch.int64,
+    "next_step_count": torch.int64,
+    "final_ok": torch.bool,
+}
 
 
 def grid_td(raw, stream_shape, *, final=False, obs_only=False, marks=False):
@@ -29,7 +34,8 @@ def grid_td(raw, stream_shape, *, final=False, obs_only=False, marks=False):
     ``final`` adds the same-step final-observation entry and its mask;
     ``obs_only`` leaves out ``("next", "observation")``; ``marks`` adds
     ``("next", "terminated")`` (the env's own ends) and
-    ``("next", "truncated")`` (the collector's batch-end marks)."""
+    ``("next", "truncated")`` (the collector's batch-end marks).
+    """
     steps = len(raw[0])
     td = TensorDict(batch_size=[*stream_shape, steps])
     keys = KEYS | (FINAL_KEYS if final else {})
@@ -44,7 +50,10 @@ def grid_td(raw, stream_shape, *, final=False, obs_only=False, marks=False):
         done = td.get(("next", "done")).reshape(mark.shape)
         td.set(("next", "truncated"), mark.reshape(*stream_shape, steps, 1))
         td.set(("next", "terminated"), (done & ~mark).reshape(*stream_shape, steps, 1))
-    td.set("stream", torch.arange(len(raw)).reshape(*stream_shape, 1).expand(*stream_shape, steps).clone())
+    td.set(
+        "stream",
+        torch.arange(len(raw)).reshape(*stream_shape, 1).expand(*stream_shape, steps).clone(),
+    )
     return td
 
 
@@ -56,8 +65,9 @@ def next_step_batch(n_streams=2, steps=12, seed=0, **kwargs):
 
 def same_step_batch(n_streams=2, steps=12, seed=0, final=True, **kwargs):
     """A [n_streams, steps] same-step batch, with the final-observation entry."""
-    raw, _ = simulate(np.random.default_rng(seed), n_streams, steps, mode="same_step",
-                      max_len=4, **kwargs)
+    raw, _ = simulate(
+        np.random.default_rng(seed), n_streams, steps, mode="same_step", max_len=4, **kwargs
+    )
     return grid_td(raw, (n_streams,), final=final)
 
 
@@ -66,5 +76,11 @@ def assert_same_rows(got, want):
     assert got.batch_size == want.batch_size, (got.batch_size, want.batch_size)
     assert set(got.keys(True, True)) == set(want.keys(True, True))
     for key in want.keys(True, True):
-        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, equal_nan=True,
-                                   msg=lambda m, key=key: f"key {key}: {m}")
+        torch.testing.assert_close(
+            got[key],
+            want[key],
+            rtol=0,
+            atol=0,
+            equal_nan=True,
+            msg=lambda m, key=key: f"key {key}: {m}",
+        )

@@ -35,8 +35,12 @@ def check_invariants(rows, stats, stored, unstored=0):
         unstored: at most this many rows the filter handed over may be
             missing from the buffer (a worker killed between the two).
     """
-    assert stats["rows_in"] == (stats["rows_out"] + stats["reset_rows_dropped"]
-                                + stats["lost_rows_dropped"] + stats["rows_held"]), stats
+    assert stats["rows_in"] == (
+        stats["rows_out"]
+        + stats["reset_rows_dropped"]
+        + stats["lost_rows_dropped"]
+        + stats["rows_held"]
+    ), stats
     assert 0 <= stats["rows_out"] - stored <= unstored, (stats, stored)
     n_nan = 0
     for e, s in streams_from_rows(rows).items():
@@ -46,7 +50,9 @@ def check_invariants(rows, stats, stored, unstored=0):
         count = s["step_count"].reshape(-1)
         assert (s["next", "reward"] != 0).all(), f"stream {e}: a reset row was stored"
         assert torch.equal(init, count == 0), f"stream {e}: is_init where step_count != 0"
-        assert (s["next", "step_count"].reshape(-1) == count + 1).all(), f"stream {e}: next step count"
+        assert (s["next", "step_count"].reshape(-1) == count + 1).all(), (
+            f"stream {e}: next step count"
+        )
         lost = torch.isnan(nxt).any(-1)
         assert done[lost].all(), f"stream {e}: NaN next observation on a non-done row"
         n_nan += int(lost.sum())

@@ -10,7 +10,9 @@ import cleanbuf
 
 def step_rows(obs, action, next_obs, reward, terminated, truncated, info=None):
     """One vector-env step as rows [E], with each row's env index."""
-    return cleanbuf.step_rows(obs, action, next_obs, reward, terminated, truncated, info, env_ids=True)
+    return cleanbuf.step_rows(
+        obs, action, next_obs, reward, terminated, truncated, info, env_ids=True
+    )
 
 
 ENVS = {
@@ -28,18 +30,23 @@ def run_loop(name, kwargs, policy, n_envs, steps, mode, rb=None, with_info=False
     """Runs a Gymnasium sync vector env loop; returns its [E] rows per step.
 
     In DISABLED mode it resets the done envs explicitly (the oracle). With
-    ``rb``, each step's rows are extended into it as they come."""
+    ``rb``, each step's rows are extended into it as they come.
+    """
     venv = gym.make_vec(
-        name, num_envs=n_envs, vectorization_mode="sync",
-        vector_kwargs={"autoreset_mode": mode}, **kwargs,
+        name,
+        num_envs=n_envs,
+        vectorization_mode="sync",
+        vector_kwargs={"autoreset_mode": mode},
+        **kwargs,
     )
     rows = []
     obs, _ = venv.reset(seed=0)
     for _ in range(steps):
         action = policy(obs)
         next_obs, reward, terminated, truncated, info = venv.step(action)
-        td = step_rows(obs, action, next_obs, reward, terminated, truncated,
-                       info if with_info else None)
+        td = step_rows(
+            obs, action, next_obs, reward, terminated, truncated, info if with_info else None
+        )
         if rb is not None:
             rb.extend(td)
         rows.append(td)

@@ -17,7 +17,16 @@ import math
 
 import numpy as np
 
-FIELDS = ("obs", "next_obs", "reward", "done", "is_init", "step_count", "next_step_count", "payload")
+FIELDS = (
+    "obs",
+    "next_obs",
+    "reward",
+    "done",
+    "is_init",
+    "step_count",
+    "next_step_count",
+    "payload",
+)
 NAN = math.nan
 
 
@@ -121,8 +130,19 @@ def reference_clean(rows, *, mode="next_step", obs_only=False, compact=False, fl
     return out
 
 
-def simulate(rng, n_streams, steps, *, mode="next_step", group=None, zero_fill=True,
-             max_len=6, final_missing=0.0, restart_at=(), mark_every=0):
+def simulate(
+    rng,
+    n_streams,
+    steps,
+    *,
+    mode="next_step",
+    group=None,
+    zero_fill=True,
+    max_len=6,
+    final_missing=0.0,
+    restart_at=(),
+    mark_every=0,
+):
     """Simulates an auto-resetting producer.
 
     Args:
@@ -177,9 +197,16 @@ def simulate(rng, n_streams, steps, *, mode="next_step", group=None, zero_fill=T
         for e in range(n_streams):
             obs = float(1000 * e + t) + (50_000 if t in restart_at else 0)
             if reset_due[e]:
-                row = dict(obs=raw[e][-1]["terminal"], next_obs=float(1000 * e + t + 1),
-                           reward=0.0, done=mark, is_init=True, step_count=0,
-                           next_step_count=1, payload=float(-obs))
+                row = dict(
+                    obs=raw[e][-1]["terminal"],
+                    next_obs=float(1000 * e + t + 1),
+                    reward=0.0,
+                    done=mark,
+                    is_init=True,
+                    step_count=0,
+                    next_step_count=1,
+                    payload=float(-obs),
+                )
                 raw[e].append(_with_flags(row, mark=mark))
                 reset_due[e] = False
                 fresh[e] = True
@@ -198,15 +225,35 @@ def simulate(rng, n_streams, steps, *, mode="next_step", group=None, zero_fill=T
             else:
                 stored_next = 0.0 if zero_fill else terminal
             final_ok = mode == "same_step" and done and rng.random() >= final_missing
-            row = dict(obs=obs, next_obs=stored_next, reward=1.0, done=done or mark,
-                       is_init=bool(fresh[e] and count[e] == 0), step_count=int(count[e]),
-                       next_step_count=int(count[e] + 1), payload=float(-obs))
-            raw[e].append(_with_flags(row, terminal=terminal,
-                                      final=terminal if final_ok else 0.0, final_ok=final_ok,
-                                      mark=mark and not done))
-            true_row = dict(obs=obs, next_obs=true_next, reward=1.0, done=done or mark,
-                            is_init=bool(fresh[e]), step_count=int(true_count[e]),
-                            next_step_count=int(true_count[e] + 1), payload=float(-obs))
+            row = dict(
+                obs=obs,
+                next_obs=stored_next,
+                reward=1.0,
+                done=done or mark,
+                is_init=bool(fresh[e] and count[e] == 0),
+                step_count=int(count[e]),
+                next_step_count=int(count[e] + 1),
+                payload=float(-obs),
+            )
+            raw[e].append(
+                _with_flags(
+                    row,
+                    terminal=terminal,
+                    final=terminal if final_ok else 0.0,
+                    final_ok=final_ok,
+                    mark=mark and not done,
+                )
+            )
+            true_row = dict(
+                obs=obs,
+                next_obs=true_next,
+                reward=1.0,
+                done=done or mark,
+                is_init=bool(fresh[e]),
+                step_count=int(true_count[e]),
+                next_step_count=int(true_count[e] + 1),
+                payload=float(-obs),
+            )
             if mode == "same_step" and done and not final_ok:
                 true_row["next_obs"] = NAN
             truth[e].append(true_row)
@@ -223,7 +270,7 @@ def simulate(rng, n_streams, steps, *, mode="next_step", group=None, zero_fill=T
                 count[e] = 0
                 continue
             lo = (e // group) * group if group else e
-            if group is not None and done_now[lo:lo + group].all():
+            if group is not None and done_now[lo : lo + group].all():
                 raw[e][-1]["joint"] = True
                 truth_now[e]["next_obs"] = NAN
                 fresh[e] = True
@@ -240,7 +287,8 @@ def simulate(rng, n_streams, steps, *, mode="next_step", group=None, zero_fill=T
 
 def _is_mark(rows):
     """Whether a stream's last row is a mark on a real transition (a mark on a
-    reset row goes with the reset row)."""
+    reset row goes with the reset row).
+    """
     return bool(rows) and rows[-1]["mark"] and rows[-1]["reward"] != 0
 
 

@@ -23,7 +23,8 @@ from tests.batches import next_step_batch
 def test_add_one_row_at_a_time_equals_extend():
     """rb.add(row) of a single stream, one transition per call. Bugs caught:
     add() storing an [1]-batched element or a reset row, or losing the held
-    done row between add() calls."""
+    done row between add() calls.
+    """
     batch = next_step_batch(1, 30, 4)
     whole = AutoresetFilter("next_step")
     rb_whole = ReplayBuffer(storage=LazyTensorStorage(100), transform=whole)
@@ -42,7 +43,8 @@ def test_add_one_row_at_a_time_equals_extend():
 
 def test_flush_writes_held_rows_once():
     """Bugs caught: held rows never reaching the buffer, or reaching it twice
-    (flush going through the filter again, or a second flush repeating)."""
+    (flush going through the filter again, or a second flush repeating).
+    """
     filt = AutoresetFilter("next_step")
     rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=filt)
     for seed in range(50):
@@ -54,8 +56,12 @@ def test_flush_writes_held_rows_once():
     assert held > 0 and len(rb) == filt.stats["rows_out"]
     filt.flush(rb)
     filt.flush(rb)
-    assert len(rb) == filt.stats["rows_out"] == filt.stats["rows_in"] - filt.stats["reset_rows_dropped"]
-    tail = rb[len(rb) - held: len(rb)]
+    assert (
+        len(rb)
+        == filt.stats["rows_out"]
+        == filt.stats["rows_in"] - filt.stats["reset_rows_dropped"]
+    )
+    tail = rb[len(rb) - held : len(rb)]
     assert tail["next", "done"].all()
     # Collector data zero-fills the terminal observation: lost, NaN, counted.
     assert torch.isnan(tail["next", "observation"]).all()
@@ -66,7 +72,8 @@ def test_reused_buffers_never_overwrite_rows_someone_holds():
     """Output buffers of large leaves are reused across calls. ListStorage
     keeps references to what it is given. Bug caught: a later call writing
     its rows into the memory of rows stored earlier (the pool must see that
-    they are still referenced)."""
+    they are still referenced).
+    """
     filt = AutoresetFilter("next_step")
     rb = ReplayBuffer(storage=ListStorage(10_000), transform=filt)
     both = next_step_batch(2, 80, 3)
@@ -86,7 +93,8 @@ def _second_call_untouched(both, **options):
     to the first reset row, then up to the next episode end (a call with no
     episode end, which moves nothing but fixes step counts). Checks that
     neither call wrote into the batch it was given; returns the second call's
-    output."""
+    output.
+    """
     done = both["next", "done"].reshape(-1).nonzero().flatten().tolist()
     reset = done[0] + 1
     assert done[1] > reset + 1
@@ -103,7 +111,8 @@ def test_filter_does_not_mutate_the_callers_batch():
     """Bug caught: is_init / step_count / next observation patched in place
     in the batch the collector handed over, in the copying path and in the
     zero-copy path (a call that drops nothing but still fixes the step
-    counts of an episode that began with a reset row in an earlier call)."""
+    counts of an episode that began with a reset row in an earlier call).
+    """
     out = _second_call_untouched(next_step_batch(1, 40, 2))
     assert (out["step_count"].reshape(-1) == torch.arange(len(out))).all()  # stored one too high
     assert out["is_init"].reshape(-1)[0]
@@ -113,7 +122,8 @@ def test_next_step_count_alone_is_fixed_and_the_batch_untouched():
     """A batch with ("next", "step_count") but no root "step_count". Bugs
     caught: the next step counts of an episode that began with a dropped reset
     row left one too high, or shifted in place in the caller's batch (in the
-    zero-copy path, a call that drops nothing)."""
+    zero-copy path, a call that drops nothing).
+    """
     out = _second_call_untouched(next_step_batch(1, 40, 2).exclude("step_count"))
     assert (out["next", "step_count"].reshape(-1) == torch.arange(1, len(out) + 1)).all()
 
@@ -122,7 +132,8 @@ def test_next_step_count_alone_without_is_init_is_fixed_in_a_quiet_call():
     """("next", "step_count") alone and no is_init: the second call has no
     episode end and no is_init fix pending, only the step shift. Bug caught:
     such a call judged clean because the root "step_count" was absent, and
-    passed through with its next step counts one too high."""
+    passed through with its next step counts one too high.
+    """
     batch = next_step_batch(1, 40, 2).exclude("step_count", "is_init")
     out = _second_call_untouched(batch)
     assert (out["next", "step_count"].reshape(-1) == torch.arange(1, len(out) + 1)).all()
@@ -132,7 +143,8 @@ def test_step_count_key_none_leaves_the_counts_alone():
     """step_count_key=None, and the second call continues an episode that
     began with a dropped reset row. Bugs caught: a TypeError (the "next" twin
     of a None key built as ("next", *None)) as soon as a row needed a shift,
-    and step counts shifted although the user opted out."""
+    and step counts shifted although the user opted out.
+    """
     batch = next_step_batch(1, 40, 2)
     out = _second_call_untouched(batch, step_count_key=None)
     done = batch["next", "done"].reshape(-1).nonzero().flatten().tolist()
@@ -147,7 +159,8 @@ def test_output_declares_the_device_its_rows_are_on():
     where its rows are, in the copying path, the zero-copy path and at a
     flush. Bug caught: an output without a device, which makes the storage
     run ``to()`` over every leaf before writing (a third of a MuJoCo-sized
-    extend)."""
+    extend).
+    """
     for seed in range(50):
         batch = next_step_batch(2, 12, seed)
         if batch["next", "done"][:, -1].any() and batch["next", "done"][:, :-2].any():
@@ -173,7 +186,8 @@ def test_terminated_and_truncated_of_different_trailing_shapes():
     """Done flags read from ``terminated | truncated`` where one is ``[E, T, 1]``
     and the other ``[E, T]`` (both one flag per row). Bug caught: the two
     flag arrays broadcast against each other (``[N, 1] | [N]`` is ``[N, N]``)
-    instead of being read row by row."""
+    instead of being read row by row.
+    """
     batch = next_step_batch(2, 12, 3)
     done = batch["next", "done"]
     flags = batch.exclude(("next", "done"))
@@ -190,7 +204,8 @@ def test_terminated_and_truncated_of_different_trailing_shapes():
 def test_state_dict_via_replay_buffer_and_pickle():
     """Bugs caught: the carry state missing from rb.state_dict() (a restored
     buffer forgets the held rows and keeps a reset row), or the filter not
-    pickling."""
+    pickling.
+    """
     both = next_step_batch(3, 40, 5)
     ref = AutoresetFilter("next_step")
     ref_rb = ReplayBuffer(storage=LazyTensorStorage(200), transform=ref)
@@ -222,7 +237,8 @@ def test_inside_compose():
 def test_clean_returns_the_kind_it_got():
     """clean() on a TensorDict, a dict of numpy arrays and a dict of tensors.
     Bugs caught: held rows not flushed at the end, numpy input returned as
-    tensors, results differing between the three kinds."""
+    tensors, results differing between the three kinds.
+    """
     batch = next_step_batch(2, 24, 3)
     out_td = clean(batch)
     assert isinstance(out_td, TensorDict)
@@ -237,12 +253,20 @@ def test_clean_returns_the_kind_it_got():
         node[last] = v
     out_np = clean(nested)
     assert isinstance(out_np["next"]["observation"], np.ndarray)
-    np.testing.assert_array_equal(out_np["next"]["observation"], out_td["next", "observation"].numpy())
-    tuple_keys = {("next", "done"): batch["next", "done"], ("next", "observation"): batch["next", "observation"],
-                  "observation": batch["observation"], ("next", "reward"): batch["next", "reward"]}
+    np.testing.assert_array_equal(
+        out_np["next"]["observation"], out_td["next", "observation"].numpy()
+    )
+    tuple_keys = {
+        ("next", "done"): batch["next", "done"],
+        ("next", "observation"): batch["next", "observation"],
+        "observation": batch["observation"],
+        ("next", "reward"): batch["next", "reward"],
+    }
     out_t = clean(tuple_keys)
     assert isinstance(out_t["next"]["observation"], torch.Tensor)
-    torch.testing.assert_close(out_t["next"]["observation"], out_td["next", "observation"], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(
+        out_t["next"]["observation"], out_td["next", "observation"], rtol=0, atol=0, equal_nan=True
+    )
 
 
 def test_disabled_mode_passes_through():
@@ -259,10 +283,15 @@ def test_for_env_producers():
     reset flavour not set for GymEnv(num_envs), the reset group of a batched
     env of vectorized workers taken as all envs, a TorchRL wrapper that
     already repairs its data (DISABLED / SAME_STEP underneath) cleaned again,
-    a Gymnasium vector env's mode ignored."""
+    a Gymnasium vector env's mode ignored.
+    """
     env = GymEnv("CartPole-v1", num_envs=2)
     filt = AutoresetFilter.for_env(env)
-    assert (filt.options.mode, filt.options.joint_reset, filt.options.reset_group_size) == ("next_step", True, None)
+    assert (filt.options.mode, filt.options.joint_reset, filt.options.reset_group_size) == (
+        "next_step",
+        True,
+        None,
+    )
     env.close()
 
     serial = SerialEnv(2, lambda: GymEnv("CartPole-v1", num_envs=3))
@@ -275,14 +304,22 @@ def test_for_env_producers():
     assert AutoresetFilter.for_env(single).options.mode == "disabled"
 
     for mode, expected in [("DISABLED", "disabled"), ("SAME_STEP", "disabled")]:
-        venv = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync",
-                            vector_kwargs={"autoreset_mode": getattr(gym.vector.AutoresetMode, mode)})
+        venv = gym.make_vec(
+            "CartPole-v1",
+            num_envs=2,
+            vectorization_mode="sync",
+            vector_kwargs={"autoreset_mode": getattr(gym.vector.AutoresetMode, mode)},
+        )
         filt = AutoresetFilter.for_env(GymWrapper(venv))
         assert filt.options.mode == expected
         assert "TorchRL repairs it" in repr(filt)
 
-    same = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync",
-                        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+    same = gym.make_vec(
+        "CartPole-v1",
+        num_envs=2,
+        vectorization_mode="sync",
+        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+    )
     assert AutoresetFilter.for_env(same).options.mode == "same_step"
     assert AutoresetFilter.for_env(same, layout=None).options.layout is None
 
@@ -306,7 +343,8 @@ def test_lost_terminal_observation_policies():
     """TorchRL's joint reset loses terminal observations. Bugs caught: 'drop'
     storing the rows anyway or not counting them, 'raise' writing part of the
     batch, 'keep' altering the producer's values, 'nan' marking rows other
-    than the lost ones."""
+    than the lost ones.
+    """
     batch = _joint_batch()
     results = {}
     for policy in ("nan", "drop", "keep"):
@@ -336,7 +374,8 @@ def test_lost_terminal_observation_policies():
 
 def test_for_env_sb3_dummy_vec_env():
     """Bug caught: an SB3 VecEnv (same-step, terminal observation in infos)
-    configured as next-step, which would drop its real transitions."""
+    configured as next-step, which would drop its real transitions.
+    """
     from stable_baselines3.common.vec_env import DummyVecEnv
 
     venv = DummyVecEnv([lambda: gym.make("CartPole-v1")] * 2)
@@ -348,7 +387,8 @@ def test_for_env_sb3_dummy_vec_env():
 def test_compact_keeps_observation_only_layout():
     """compact=True: the artifacts go, the layout stays observation-only.
     Bugs caught: next observations materialized anyway (memory doubled),
-    rows held although nothing waits for a successor, reset rows kept."""
+    rows held although nothing waits for a successor, reset rows kept.
+    """
     batch = next_step_batch(2, 30, 6).exclude(("next", "observation"))
     filt = AutoresetFilter("next_step", observation_keys=["observation"], compact=True)
     out = filt.inv(batch)
@@ -361,7 +401,8 @@ def test_compact_keeps_observation_only_layout():
 
 def test_final_observation_entry_stored_only_when_asked():
     """Bugs caught: the final-observation entry (a second copy of every
-    observation) stored by default, or dropped when keep_final_obs=True."""
+    observation) stored by default, or dropped when keep_final_obs=True.
+    """
     from tests.batches import same_step_batch
 
     batch = same_step_batch(2, 12, 0)
@@ -377,16 +418,23 @@ def test_final_observation_entry_stored_only_when_asked():
 def test_clean_same_step_and_observation_only():
     """clean() takes the same-step and observation-only options. Bugs caught:
     clean() ignoring mode='same_step' (done rows keep the reset observation)
-    or not flushing the rows that wait for a successor."""
+    or not flushing the rows that wait for a successor.
+    """
     from tests.batches import same_step_batch
 
     batch = same_step_batch(2, 12, 0)
     out = clean(batch, mode="same_step")
     done = out["next", "done"].reshape(-1)
-    assert torch.equal(out["next", "observation"][done], batch["next", "final_obs"].reshape(-1, 1)[
-        batch["next", "done"].reshape(-1)])
-    obs_only = clean(batch.exclude(("next", "observation")), mode="same_step",
-                     observation_keys=["observation"], on_lost_terminal_obs="nan")
+    assert torch.equal(
+        out["next", "observation"][done],
+        batch["next", "final_obs"].reshape(-1, 1)[batch["next", "done"].reshape(-1)],
+    )
+    obs_only = clean(
+        batch.exclude(("next", "observation")),
+        mode="same_step",
+        observation_keys=["observation"],
+        on_lost_terminal_obs="nan",
+    )
     assert len(obs_only) == batch.numel()
     # The last row of each stream has no successor, unless it is a done row
     # (its final observation is its next observation).
@@ -399,7 +447,8 @@ def test_flush_same_step_observation_only_marks_unfinished_rows():
     """Same-step observation-only data: the last row of each stream waits for
     its successor; at a flush it never comes. Bug caught: the flush raising
     the same-step "no final observation" error for rows that are not done
-    (or storing them with a next observation from nowhere)."""
+    (or storing them with a next observation from nowhere).
+    """
     from tests.batches import same_step_batch
 
     batch = same_step_batch(2, 12, 0).exclude(("next", "observation"))
@@ -421,7 +470,8 @@ def test_for_env_parallel_env_of_vectorized_workers():
     """ParallelEnv of GymEnv(num_envs=3) workers: batch [2, 3], each worker
     resets its 3 envs jointly. Bug caught: the reset group taken as all 6
     envs (then a joint reset of one worker is read as partial, and its next
-    real transition dropped) or as single envs."""
+    real transition dropped) or as single envs.
+    """
     from torchrl.envs import ParallelEnv
 
     env = ParallelEnv(2, _three_cartpoles)
@@ -430,23 +480,36 @@ def test_for_env_parallel_env_of_vectorized_workers():
     finally:
         env.close(raise_if_closed=False)
     assert (filt.options.mode, filt.options.joint_reset, filt.options.reset_group_size) == (
-        "next_step", True, 3)
+        "next_step",
+        True,
+        3,
+    )
     assert "ParallelEnv" in repr(filt)
 
 
 def test_step_rows_reads_gymnasium_and_sb3_infos_with_dict_observations():
     """step_rows with Dict observations. Bugs caught: the terminal observation
     of the wrong env stored, a nested final entry not built like the
-    observation, the SB3 truncation flag not moved out of terminated."""
+    observation, the SB3 truncation flag not moved out of terminated.
+    """
     from cleanbuf import step_rows
 
     obs = {"pos": np.zeros((3, 2), np.float32), "cam": np.zeros((3, 4), np.uint8)}
     next_obs = {"pos": np.full((3, 2), 5, np.float32), "cam": np.full((3, 4), 5, np.uint8)}
-    final = np.array([None, {"pos": np.full(2, 9, np.float32), "cam": np.full(4, 9, np.uint8)}, None],
-                     dtype=object)
+    final = np.array(
+        [None, {"pos": np.full(2, 9, np.float32), "cam": np.full(4, 9, np.uint8)}, None],
+        dtype=object,
+    )
     info = {"final_obs": final, "_final_obs": np.array([False, True, False])}
-    rows = step_rows(obs, np.zeros(3), next_obs, np.ones(3), np.array([False, True, False]),
-                     np.zeros(3, bool), info)
+    rows = step_rows(
+        obs,
+        np.zeros(3),
+        next_obs,
+        np.ones(3),
+        np.array([False, True, False]),
+        np.zeros(3, bool),
+        info,
+    )
     assert rows["next", "_final_obs"].reshape(-1).tolist() == [False, True, False]
     assert rows["next", "final_obs", "pos"][1].tolist() == [9.0, 9.0]
     assert rows["next", "final_obs", "cam"][1].tolist() == [9, 9, 9, 9]
@@ -455,11 +518,20 @@ def test_step_rows_reads_gymnasium_and_sb3_infos_with_dict_observations():
     pos = out["next", "observation", "pos"]
     assert pos[1].tolist() == [9.0, 9.0] and pos[0].tolist() == [5.0, 5.0]
     assert out["next", "observation", "cam"][1].tolist() == [9, 9, 9, 9]
-    sb3_infos = [{}, {"terminal_observation": {"pos": np.full(2, 7, np.float32),
-                                               "cam": np.full(4, 7, np.uint8)},
-                      "TimeLimit.truncated": True}, {}]
-    rows = step_rows(obs, np.zeros(3), next_obs, np.ones(3), np.array([False, True, False]),
-                     None, sb3_infos)
+    sb3_infos = [
+        {},
+        {
+            "terminal_observation": {
+                "pos": np.full(2, 7, np.float32),
+                "cam": np.full(4, 7, np.uint8),
+            },
+            "TimeLimit.truncated": True,
+        },
+        {},
+    ]
+    rows = step_rows(
+        obs, np.zeros(3), next_obs, np.ones(3), np.array([False, True, False]), None, sb3_infos
+    )
     assert rows["next", "truncated"].reshape(-1).tolist() == [False, True, False]
     assert not rows["next", "terminated"].any() and rows["next", "done"].reshape(-1)[1]
     assert rows["next", "final_obs", "cam"][1].tolist() == [7, 7, 7, 7]
@@ -469,7 +541,8 @@ def test_add_path_raises_no_warning():
     """rb.add(row), one row per call, in a fresh process with warnings as
     errors (torch warns once per process, so an earlier test could hide
     it). Bug caught: torch's "NumPy array is not writable" warning from the
-    shared read-only empty row index turned into a tensor."""
+    shared read-only empty row index turned into a tensor.
+    """
     code = (
         "import warnings; warnings.simplefilter('error')\n"
         "from torchrl.data import LazyTensorStorage, ReplayBuffer\n"
@@ -483,6 +556,11 @@ def test_add_path_raises_no_warning():
         "assert filt.stats['reset_rows_dropped'] > 0\n"
     )
     root = pathlib.Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(root)})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -67,15 +67,18 @@ def _via_filter_state_dict(rb, tmp_path):
     return filt, fresh
 
 
-@pytest.mark.parametrize("restore", [_via_dumps, _via_rb_state_dict, _via_filter_state_dict],
-                         ids=["rb.dumps/loads", "torch.save(rb.state_dict())",
-                              "torch.save(filt.state_dict())"])
+@pytest.mark.parametrize(
+    "restore",
+    [_via_dumps, _via_rb_state_dict, _via_filter_state_dict],
+    ids=["rb.dumps/loads", "torch.save(rb.state_dict())", "torch.save(filt.state_dict())"],
+)
 def test_resume_with_default_loading_equals_uninterrupted(restore, tmp_path):
     """Saved after a few calls (with a held row), loaded with the defaults,
     resumed. Bugs caught: anything in the state that ``torch.load`` refuses
     with weights_only=True, the held row or a pending reset row missing
     from the checkpoint (the resumed buffer keeps a reset row or loses the
-    held row), stats not restored."""
+    held row), stats not restored.
+    """
     calls = _calls()
     filt, rb = _buffer()
     want = _finish(filt, rb, calls)
@@ -84,8 +87,10 @@ def test_resume_with_default_loading_equals_uninterrupted(restore, tmp_path):
     for batch in calls[:CUT]:
         rb.extend(batch)
     assert filt.stats["rows_held"] > 0, "the checkpoint should hold a row"
-    assert filt.stats["rows_out"] == filt.stats["rows_in"] - filt.stats["rows_held"] - \
-        filt.stats["reset_rows_dropped"]
+    assert (
+        filt.stats["rows_out"]
+        == filt.stats["rows_in"] - filt.stats["rows_held"] - filt.stats["reset_rows_dropped"]
+    )
     before = filt.stats
     filt2, rb2 = restore(rb, tmp_path)
     assert filt2.stats == before
@@ -95,7 +100,8 @@ def test_resume_with_default_loading_equals_uninterrupted(restore, tmp_path):
 
 def test_stats_are_plain_python_numbers():
     """Bug caught: numpy integers in the stats (from the pass-through path),
-    which ``json.dumps`` and ``torch.load(weights_only=True)`` reject."""
+    which ``json.dumps`` and ``torch.load(weights_only=True)`` reject.
+    """
     filt, rb = _buffer()
     quiet = next_step_batch(2, 12, 1)[:, :1].clone()
     quiet["next", "done"] = torch.zeros_like(quiet["next", "done"])
@@ -110,7 +116,8 @@ def test_stats_are_plain_python_numbers():
 def test_state_from_other_options_is_refused():
     """Bug caught: a state saved by a filter with other options (another
     mode, or another joint-reset flavour) loaded silently, so the held rows
-    and pending flags are read under the wrong rules."""
+    and pending flags are read under the wrong rules.
+    """
     filt, rb = _buffer()
     rb.extend(_calls()[0])
     state = filt.state_dict()

@@ -16,7 +16,6 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter
 from cleanbuf._oracle import (
-    collect,
     compare_streams,
     make_env,
     push_left_policy,
@@ -31,9 +30,14 @@ E, T, BATCHES = 2, 16, 12
 def _run(collector_kwargs, reset_every=None, via_rb=False):
     env = make_env("CartPole-v1", E)
     rb = ReplayBuffer(storage=LazyTensorStorage(100_000))
-    collector = Collector(env, push_left_policy, frames_per_batch=E * T,
-                          total_frames=E * T * BATCHES, replay_buffer=rb if via_rb else None,
-                          **collector_kwargs)
+    collector = Collector(
+        env,
+        push_left_policy,
+        frames_per_batch=E * T,
+        total_frames=E * T * BATCHES,
+        replay_buffer=rb if via_rb else None,
+        **collector_kwargs,
+    )
     filt = AutoresetFilter.for_env(collector)
     rb.append_transform(filt)
     for i, batch in enumerate(collector):
@@ -53,11 +57,17 @@ def test_set_truncated_marks_match_explicit_resets(via_rb):
     and truncated. Bugs caught: marks read as episode ends (the next batch's
     first row dropped as a reset row, or ResetRowError), as joint resets
     (real next observations replaced by NaN), or a real episode end at a
-    batch end taken for a mark (a reset row kept)."""
+    batch end taken for a mark (a reset row kept).
+    """
     oracle_env = make_env("CartPole-v1", E, disabled=True)
     oracle_batches = []
-    collector = Collector(oracle_env, push_left_policy, frames_per_batch=E * T,
-                          total_frames=E * T * BATCHES, set_truncated=True)
+    collector = Collector(
+        oracle_env,
+        push_left_policy,
+        frames_per_batch=E * T,
+        total_frames=E * T * BATCHES,
+        set_truncated=True,
+    )
     oracle_batches = [b.clone() for b in collector]
     collector.shutdown()
     filt, rb = _run({"set_truncated": True}, via_rb=via_rb)
@@ -79,7 +89,8 @@ def test_set_truncated_marks_match_explicit_resets(via_rb):
     n_lost = compare_streams(
         {e: s[:-1].exclude(*marks) for e, s in cleaned.items()},
         {e: s.exclude(*marks) for e, s in streams_from_batches(oracle_batches).items()},
-        min_rows=T * BATCHES * 3 // 4)
+        min_rows=T * BATCHES * 3 // 4,
+    )
     assert n_lost == stats["terminal_obs_missing"]
     check_invariants(rows, stats, len(rb))
 
@@ -91,7 +102,8 @@ def test_restarts_between_batches(how):
     episode carried into the new one (step_count -1, counts off by one), an
     is_init fix leaking into it, a done row waiting for its reset row when
     the reset discarded it (its restart row dropped as a reset row, or
-    ResetRowError), a held row lost or stored twice."""
+    ResetRowError), a held row lost or stored twice.
+    """
     if how == "reset_at_each_iter":
         filt, rb = _run({"reset_at_each_iter": True})
     else:
@@ -108,7 +120,8 @@ def test_slice_sampler_over_trajectory_ids_stays_in_one_episode():
     sampler that only looks for done flags (end_key) crosses streams. Bug
     caught: a cleaned buffer whose trajectory ids no longer split it into
     episodes (a reset row's id kept, ids mixed across streams), so that a
-    slice runs across two episodes or two envs."""
+    slice runs across two episodes or two envs.
+    """
     from torchrl.data import SliceSampler
 
     filt, rb = _run({})

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_cuda_equals_cpu():
     """Bugs caught: CPU-only indexing on device tensors (errors), rows moved
-    in another order on the device, held rows or patches left on the CPU."""
+    in another order on the device, held rows or patches left on the CPU.
+    """
     for seed in range(20):
         _check_seed(seed)
 
@@ -39,5 +40,7 @@ def _check_seed(seed):
         assert out_g.device.type == "cuda"
         for key, value in out_c.items(True, True):
             torch.testing.assert_close(out_g[key].cpu(), value, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(gpu.flush().cpu().to_dict(), cpu.flush().to_dict(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(
+        gpu.flush().cpu().to_dict(), cpu.flush().to_dict(), rtol=0, atol=0, equal_nan=True
+    )
     assert gpu.stats == cpu.stats

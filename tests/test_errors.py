@@ -1,5 +1,6 @@
 """Bad input: each error names the key, what was expected and what came, and
-the fix; the failed call changes no state and writes nothing to the buffer."""
+the fix; the failed call changes no state and writes nothing to the buffer.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def _primed(**options):
     """A buffer with a filter that already holds rows (non-trivial state).
 
     Also returns the continuation of the primed streams, for checking that
-    the filter still works after a rejected call."""
+    the filter still works after a rejected call.
+    """
     for seed in range(100):
         filt = AutoresetFilter("next_step", **options)
         rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
@@ -48,7 +50,8 @@ def assert_rejected(filt, rb, bad, error, *fragments, then=None):
     """Extends with a bad batch; checks the error, its message, and that
     neither the filter's state nor the buffer changed. With ``then`` (the
     continuation of the streams already written), also checks that the
-    filter still works afterwards."""
+    filter still works afterwards.
+    """
     state, n = filt.state_dict(), len(rb)
     with pytest.raises(error) as info:
         rb.extend(bad)
@@ -67,13 +70,15 @@ def test_missing_done_key():
     """Bug caught: data without any done key cleaned as if nothing ever ended."""
     filt, rb, rest = _primed()
     bad = next_step_batch(2, 12, 1).exclude(("next", "done"))
-    assert_rejected(filt, rb, bad, InputError, "no done key", "('next', 'done')", "done_key=",
-                    then=rest)
+    assert_rejected(
+        filt, rb, bad, InputError, "no done key", "('next', 'done')", "done_key=", then=rest
+    )
 
 
 def test_missing_observation_key():
     """Bug caught: observation-only data passed through with no next
-    observation and no error."""
+    observation and no error.
+    """
     filt, rb, rest = _primed()
     bad = next_step_batch(2, 12, 1).exclude(("next", "observation"))
     assert_rejected(filt, rb, bad, InputError, "no observation key", "observation_keys=", then=rest)
@@ -93,8 +98,17 @@ def test_done_not_boolean():
     filt, rb, rest = _primed()
     bad = next_step_batch(2, 12, 1)
     bad.set(("next", "done"), bad["next", "done"].float())
-    assert_rejected(filt, rb, bad, InputError, "('next', 'done')", "torch.bool", "torch.float32",
-                    ".bool()", then=rest)
+    assert_rejected(
+        filt,
+        rb,
+        bad,
+        InputError,
+        "('next', 'done')",
+        "torch.bool",
+        "torch.float32",
+        ".bool()",
+        then=rest,
+    )
 
 
 def test_done_with_several_flags_per_row():
@@ -108,39 +122,47 @@ def test_done_with_several_flags_per_row():
 def test_non_tensor_entry():
     """Bug caught: a non-tensor entry (a string in the batch, which
     TensorDict's leaf iterator skips by default) silently left out of the
-    stored rows."""
+    stored rows.
+    """
     filt, rb, rest = _primed()
     bad = rest.clone()
     bad.set_non_tensor(("info", "name"), "CartPole")
-    assert_rejected(filt, rb, bad, InputError, "('info', 'name')", "not a tensor",
-                    "data.exclude", then=rest)
+    assert_rejected(
+        filt, rb, bad, InputError, "('info', 'name')", "not a tensor", "data.exclude", then=rest
+    )
 
 
 def test_observation_and_next_observation_shapes_differ():
     """Bug caught: re-stitching an observation into a next observation of
-    another shape (broadcast or truncated silently)."""
+    another shape (broadcast or truncated silently).
+    """
     filt, rb, rest = _primed(observation_keys=["observation"])
     bad = next_step_batch(2, 12, 1)
     bad.set(("next", "observation"), torch.zeros(2, 12, 3))
-    assert_rejected(filt, rb, bad, InputError, "'observation'", "[2, 12, 1]", "[2, 12, 3]",
-                    then=rest)
+    assert_rejected(
+        filt, rb, bad, InputError, "'observation'", "[2, 12, 1]", "[2, 12, 3]", then=rest
+    )
 
 
 def test_stream_count_changes_between_calls():
     """Bug caught: a held row of env 1 released into another env's stream
-    after the env count changed."""
+    after the env count changed.
+    """
     filt, rb, rest = _primed()
-    assert_rejected(filt, rb, next_step_batch(3, 12, 1), LayoutError, "[2]", "[3]", "flush()",
-                    then=rest)
+    assert_rejected(
+        filt, rb, next_step_batch(3, 12, 1), LayoutError, "[2]", "[3]", "flush()", then=rest
+    )
 
 
 def test_flattened_collector_batch_is_ambiguous():
     """Bug caught: data.reshape(-1) of [E, T] cleaned as one stream, which
-    stitches env 1's observation into env 0's done row."""
+    stitches env 1's observation into env 0's done row.
+    """
     filt, rb, rest = _primed()
     bad = next_step_batch(2, 12, 1).reshape(-1)
-    assert_rejected(filt, rb, bad, LayoutError, "reshape(-1)", "layout='step'", "stream_key=",
-                    then=rest)
+    assert_rejected(
+        filt, rb, bad, LayoutError, "reshape(-1)", "layout='step'", "stream_key=", then=rest
+    )
 
 
 def test_step_layout_rejects_time_batches():
@@ -152,13 +174,16 @@ def test_step_layout_rejects_time_batches():
 
 def test_integer_observation_lost_without_policy():
     """Bug caught: a lost terminal frame of an integer (Atari-like)
-    observation filled with a silent garbage value (NaN cast to int)."""
+    observation filled with a silent garbage value (NaN cast to int).
+    """
     filt = AutoresetFilter("next_step", joint_reset=True)
     rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
     bad = next_step_batch(2, 30, 3, group=2)
     for key in ("observation", ("next", "observation")):
         bad.set(key, bad[key].to(torch.uint8))
-    assert_rejected(filt, rb, bad, TerminalObservationLostError, "'observation'", "'drop'", "'keep'")
+    assert_rejected(
+        filt, rb, bad, TerminalObservationLostError, "'observation'", "'drop'", "'keep'"
+    )
     kept = AutoresetFilter("next_step", joint_reset=True, on_lost_terminal_obs="keep")
     rb2 = ReplayBuffer(storage=LazyTensorStorage(1000), transform=kept)
     rb2.extend(bad)
@@ -177,11 +202,21 @@ def test_nan_policy_on_integer_observation():
 
 def test_joint_reset_data_with_a_plain_filter():
     """Bug caught: the real transition after a joint reset dropped as if it
-    were a reset row (reward 1, so the signature check must fire)."""
+    were a reset row (reward 1, so the signature check must fire).
+    """
     filt, rb, rest = _primed()
     bad = next_step_batch(2, 30, 3, group=2)
-    assert_rejected(filt, rb, bad, ResetRowError, "nonzero reward", "joint_reset=True",
-                    "check_reset_rows=False", "for_env", then=rest)
+    assert_rejected(
+        filt,
+        rb,
+        bad,
+        ResetRowError,
+        "nonzero reward",
+        "joint_reset=True",
+        "check_reset_rows=False",
+        "for_env",
+        then=rest,
+    )
 
 
 def test_unknown_producer():
@@ -192,7 +227,8 @@ def test_unknown_producer():
 
 def test_same_step_done_row_without_final_observation():
     """Bug caught: a same-step done row stored with the reset observation as
-    its next observation (every truncation bootstrap silently wrong)."""
+    its next observation (every truncation bootstrap silently wrong).
+    """
     filt = AutoresetFilter("same_step")
     rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
     batch = next_step_batch(2, 12, 1)  # no final-observation entry at all
@@ -218,9 +254,11 @@ def test_clean_dict_with_mismatched_batch_shapes():
     """Bug caught: arrays of different lengths zipped into rows."""
     data = {
         "observation": np.zeros((5, 1), np.float32),
-        "next": {"observation": np.zeros((4, 1), np.float32),
-                 "reward": np.zeros((5, 1), np.float32),
-                 "done": np.zeros((5, 1), bool)},
+        "next": {
+            "observation": np.zeros((4, 1), np.float32),
+            "reward": np.zeros((5, 1), np.float32),
+            "done": np.zeros((5, 1), bool),
+        },
     }
     with pytest.raises(InputError, match=r"\('next', 'observation'\)"):
         clean(data, layout="time_last")
@@ -235,18 +273,28 @@ def _same_step_primed(**options):
 
 def test_final_entry_single_tensor_with_several_observation_keys():
     """Bug caught: one final-observation tensor written into two observation
-    keys (or into the wrong one)."""
+    keys (or into the wrong one).
+    """
     filt, rb = _same_step_primed()
     bad = same_step_batch(2, 12, 1)
     bad.set("pixels", torch.zeros(2, 12, 3))
     bad.set(("next", "pixels"), torch.zeros(2, 12, 3))
-    assert_rejected(filt, rb, bad, InputError, "('next', 'final_obs')", "one tensor",
-                    "'observation'", "'pixels'")
+    assert_rejected(
+        filt,
+        rb,
+        bad,
+        InputError,
+        "('next', 'final_obs')",
+        "one tensor",
+        "'observation'",
+        "'pixels'",
+    )
 
 
 def test_final_entry_missing_an_observation_key():
     """Bug caught: a nested final-observation entry that lacks one of the
-    observation keys, silently leaving that key's reset observation."""
+    observation keys, silently leaving that key's reset observation.
+    """
     filt, rb = _same_step_primed()
     bad = same_step_batch(2, 12, 1)
     final = bad["next", "final_obs"]
@@ -254,8 +302,9 @@ def test_final_entry_missing_an_observation_key():
     bad.set(("next", "final_obs", "observation"), final)
     for key in ("pixels", ("next", "pixels")):
         bad.set(key, torch.zeros(2, 12, 3))
-    assert_rejected(filt, rb, bad, InputError, "lacks", "('next', 'final_obs', 'pixels')",
-                    "final_obs_key=")
+    assert_rejected(
+        filt, rb, bad, InputError, "lacks", "('next', 'final_obs', 'pixels')", "final_obs_key="
+    )
 
 
 def test_final_mask_not_boolean():
@@ -263,13 +312,15 @@ def test_final_mask_not_boolean():
     filt, rb = _same_step_primed()
     bad = same_step_batch(2, 12, 1)
     bad.set(("next", "_final_obs"), bad["next", "_final_obs"].float())
-    assert_rejected(filt, rb, bad, InputError, "('next', '_final_obs')", "torch.bool",
-                    "torch.float32")
+    assert_rejected(
+        filt, rb, bad, InputError, "('next', '_final_obs')", "torch.bool", "torch.float32"
+    )
 
 
 def test_final_entry_of_another_shape():
     """Bug caught: a final observation broadcast into a next observation of
-    another shape."""
+    another shape.
+    """
     filt, rb = _same_step_primed()
     bad = same_step_batch(2, 12, 1)
     bad.set(("next", "final_obs"), torch.zeros(2, 12, 5))
@@ -278,7 +329,8 @@ def test_final_entry_of_another_shape():
 
 def test_observation_keys_partly_observation_only():
     """Bug caught: one observation key re-stitched from successors while
-    another keeps its stored next observation (mixed layouts)."""
+    another keeps its stored next observation (mixed layouts).
+    """
     filt = AutoresetFilter("next_step", observation_keys=["observation", "pixels"])
     bad = next_step_batch(2, 12, 1)
     bad.set("pixels", torch.zeros(2, 12, 3))
@@ -295,9 +347,12 @@ def test_joint_reset_with_same_step():
 
 def test_step_rows_bad_input():
     """Bugs caught: per-env arrays of the wrong length zipped into rows; a
-    Gymnasium step without truncations mistaken for an SB3 step."""
+    Gymnasium step without truncations mistaken for an SB3 step.
+    """
     obs = np.zeros((3, 4), np.float32)
-    with pytest.raises(InputError, match=r"next_obs must have the envs first, shape \[3, ...\]; got shape \[2, 4\]"):
+    with pytest.raises(
+        InputError, match=r"next_obs must have the envs first, shape \[3, ...\]; got shape \[2, 4\]"
+    ):
         step_rows(obs, np.zeros(3), obs[:2], np.zeros(3), np.zeros(3, bool), np.zeros(3, bool))
     with pytest.raises(InputError, match="truncated=None is for Stable-Baselines3"):
         step_rows(obs, np.zeros(3), obs, np.zeros(3), np.zeros(3, bool), None, {})

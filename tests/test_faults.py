@@ -38,7 +38,8 @@ def test_a_failed_write_then_the_same_batch_again(traj_ids):
     the user writes the same batch again. Bugs caught: the held rows the
     failed call released lost for good (the filter had moved on), the
     batch's reset rows kept on the second try (their done rows no longer
-    pending), the stats counting the batch twice."""
+    pending), the stats counting the batch twice.
+    """
     calls = _calls(traj_ids)
     filt = AutoresetFilter("next_step")
     rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
@@ -66,13 +67,14 @@ def test_a_failed_write_then_the_same_batch_again(traj_ids):
     assert gap is not None and gap[1] > gap[0]
     assert filt.stats == want_stats
     rows = storage._storage[: rb.write_count]  # (get() stops at len(rb), short of the end)
-    assert_same_rows(torch.cat([rows[: gap[0]], rows[gap[1]:]]), want)
+    assert_same_rows(torch.cat([rows[: gap[0]], rows[gap[1] :]]), want)
 
 
 def test_a_storage_of_two_dimensions_is_refused():
     """LazyTensorStorage(ndim=2) expects [E, T] batches; the filter stores flat
     rows. Bug caught: the filter committing (rows counted, held rows
-    released) before TorchRL fails with an opaque transpose error."""
+    released) before TorchRL fails with an opaque transpose error.
+    """
     filt = AutoresetFilter("next_step")
     rb = ReplayBuffer(storage=LazyTensorStorage(100, ndim=2), transform=filt)
     with pytest.raises(LayoutError, match="ndim=2") as info:

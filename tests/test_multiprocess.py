@@ -31,9 +31,15 @@ FRAMES = WORKERS * ENVS_PER_WORKER * T
 @contextlib.contextmanager
 def _collector(cls, make_env, frames=FRAMES, **kwargs):
     """A seeded collector, shut down however the test ends (a worker left
-    running keeps the test process alive)."""
-    collector = cls([make_env] * WORKERS, push_left, frames_per_batch=frames,
-                    total_frames=FRAMES * BATCHES, **kwargs)
+    running keeps the test process alive).
+    """
+    collector = cls(
+        [make_env] * WORKERS,
+        push_left,
+        frames_per_batch=frames,
+        total_frames=FRAMES * BATCHES,
+        **kwargs,
+    )
     try:
         collector.set_seed(0)
         yield collector
@@ -51,8 +57,10 @@ def oracle():
 
 
 def _by_first_obs(streams):
-    return {tuple(s["observation"][0].tolist()): s.exclude(STREAM, ("next", STREAM))
-            for s in streams.values()}
+    return {
+        tuple(s["observation"][0].tolist()): s.exclude(STREAM, ("next", STREAM))
+        for s in streams.values()
+    }
 
 
 def _check(filt, rb, oracle):
@@ -76,7 +84,8 @@ def test_workers_extend_the_buffer(cls, oracle):
     reading 0 rows (the copies' counts never seen), flush storing nothing
     while the copies hold done rows at shutdown (rows lost without a count),
     TorchRL's all-zero storage-initialisation batch counted or kept as
-    state, a copy's rows cleaned against another copy's streams."""
+    state, a copy's rows cleaned against another copy's streams.
+    """
     filt = AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
     rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
     with _collector(cls, worker_env, replay_buffer=rb) as collector:
@@ -92,10 +101,11 @@ def test_workers_extend_the_buffer(cls, oracle):
 
 
 def test_multi_sync_from_the_parent(oracle):
-    """for b in MultiSyncCollector(...): rb.extend(b), batches [W, E, T]. Bugs
+    """For b in MultiSyncCollector(...): rb.extend(b), batches [W, E, T]. Bugs
     caught: for_env(collector) not finding the env, the joint reset judged
     over all W * E streams instead of each worker's E (ResetRowError at the
-    second batch, or a joint reset missed)."""
+    second batch, or a joint reset missed).
+    """
     with _collector(MultiSyncCollector, worker_env) as collector:
         filt = AutoresetFilter.for_env(collector, observation_keys=OBS)
         assert filt.options.reset_group_size == ENVS_PER_WORKER
@@ -107,11 +117,12 @@ def test_multi_sync_from_the_parent(oracle):
 
 
 def test_multi_async_from_the_parent(oracle):
-    """for b in MultiAsyncCollector(...): rb.extend(b): [E, T] batches from one
+    """For b in MultiAsyncCollector(...): rb.extend(b): [E, T] batches from one
     worker at a time. Bugs caught: both workers taken for the same streams
     (another worker's step-count fix, another worker's observation stored as
     a terminal observation), a worker's first batch merged into another's
-    streams."""
+    streams.
+    """
     with _collector(MultiAsyncCollector, worker_env, frames=FRAMES // WORKERS) as collector:
         filt = AutoresetFilter.for_env(collector, observation_keys=OBS)
         assert filt.options.producer_key == ("collector", "traj_ids")
@@ -126,7 +137,8 @@ def test_multi_async_with_one_workers_filter_is_refused():
     """The configuration the old error message recommended: a filter built
     for one worker's env, fed the batches of all workers in turn. Bug
     caught: another worker's batch glued onto the streams (the continuity
-    check must refuse it before anything is written)."""
+    check must refuse it before anything is written).
+    """
     filt = AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
     rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
     with _collector(MultiAsyncCollector, worker_env, frames=FRAMES // WORKERS) as collector:
@@ -142,7 +154,8 @@ def test_a_worker_killed_mid_run():
     collector. Bugs caught: the dead worker's held rows lost without a
     count (its copy's state went with it), rows stored twice or wrong, the
     stats identity broken. At most one batch the dead worker's filter had
-    handed over may miss the buffer (killed between the two)."""
+    handed over may miss the buffer (killed between the two).
+    """
     filt = AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
     rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
     with pytest.raises(RuntimeError, match="process"):
@@ -153,8 +166,9 @@ def test_a_worker_killed_mid_run():
     filt.flush(rb)
     stats = filt.stats
     assert stats["rows_in"] >= 3 * FRAMES and stats["rows_held"] == 0
-    assert stats["rows_in"] == (stats["rows_out"] + stats["reset_rows_dropped"]
-                                + stats["lost_rows_dropped"])
+    assert stats["rows_in"] == (
+        stats["rows_out"] + stats["reset_rows_dropped"] + stats["lost_rows_dropped"]
+    )
     check_invariants(rb[: len(rb)], stats, len(rb), unstored=FRAMES // WORKERS)
 
 
@@ -164,7 +178,8 @@ def _worker_filter():
 
 def _reload(rb, make_filter=_worker_filter):
     """rb.state_dict() through torch.save / torch.load with their defaults,
-    into a new buffer with a new filter."""
+    into a new buffer with a new filter.
+    """
     f = io.BytesIO()
     torch.save(rb.state_dict(), f)
     f.seek(0)
@@ -178,7 +193,8 @@ def test_checkpoint_of_the_workers_copies():
     """The buffer shared with the workers is checkpointed once they are done,
     before the flush. Bugs caught: the checkpoint missing the copies' states
     (their held rows lost, the stats of the workers' rows gone), a copy's
-    state restored twice (its held rows stored twice)."""
+    state restored twice (its held rows stored twice).
+    """
     filt = AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
     rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
     with _collector(MultiSyncCollector, worker_env, replay_buffer=rb) as collector:
@@ -199,13 +215,19 @@ def test_multi_async_resumed_mid_run_equals_uninterrupted():
     after a few batches (every worker's streams in the state) and the rest
     goes to the restored buffer. Bugs caught: the producers' carries or
     their trajectory ids missing from the checkpoint (the next batch of a
-    worker taken for a new producer: reset rows kept, ContinuityError)."""
+    worker taken for a new producer: reset rows kept, ContinuityError).
+    """
     with _collector(MultiAsyncCollector, worker_env, frames=FRAMES // WORKERS) as collector:
         batches = [b.clone() for b in collector]
 
     def make_filter():
-        return AutoresetFilter("next_step", joint_reset=True, reset_group_size=ENVS_PER_WORKER,
-                               producer_key=("collector", "traj_ids"), observation_keys=OBS)
+        return AutoresetFilter(
+            "next_step",
+            joint_reset=True,
+            reset_group_size=ENVS_PER_WORKER,
+            producer_key=("collector", "traj_ids"),
+            observation_keys=OBS,
+        )
 
     def run(cut):
         filt = make_filter()

@@ -23,10 +23,13 @@ def test_gymnasium_next_step_loop_matches_explicit_resets(env_key):
     """Bugs caught: a reset row stored (rows shift against the oracle), the
     done row's next observation not the terminal one, a done row held forever
     or stored twice, a truncation at the same step in every env mistaken for
-    a joint reset (raw loops always emit reset rows)."""
+    a joint reset (raw loops always emit reset rows).
+    """
     name, kwargs, policy = ENVS[env_key]
     n_envs, steps = 4, 60
-    _, oracle_rows = run_loop(name, kwargs, policy, n_envs, steps, gym.vector.AutoresetMode.DISABLED)
+    _, oracle_rows = run_loop(
+        name, kwargs, policy, n_envs, steps, gym.vector.AutoresetMode.DISABLED
+    )
     oracle = torch.stack(oracle_rows, dim=1)
     venv = gym.make_vec(name, num_envs=n_envs, vectorization_mode="sync", **kwargs)
     filt = AutoresetFilter.for_env(venv)
@@ -49,7 +52,8 @@ def test_envpool_next_step_loop():
     row left in the buffer (EnvPool marks it with elapsed_step == 0 after the
     first reset), a raw row lost or duplicated, a done row not paired with
     the terminal observation EnvPool returned at that step, a non-done row
-    whose next observation is not the following row's observation."""
+    whose next observation is not the following row's observation.
+    """
     envpool = pytest.importorskip("envpool")
     n_envs, steps = 4, 80
     env = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=n_envs, seed=0)
@@ -60,7 +64,7 @@ def test_envpool_next_step_loop():
     for t in range(steps):
         action = np.zeros(n_envs, np.int64)
         next_obs, reward, terminated, truncated, info = env.step(action)
-        is_reset = (info["elapsed_step"] == 0)
+        is_reset = info["elapsed_step"] == 0
         n_reset_rows += int(is_reset.sum())
         for e in np.flatnonzero(terminated | truncated):
             terminal[(e, float(obs[e, 0]))] = next_obs[e].copy()

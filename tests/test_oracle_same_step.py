@@ -7,8 +7,6 @@ policy), row for row within each stream.
 
 from __future__ import annotations
 
-import functools
-
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -43,15 +41,22 @@ def test_gymnasium_same_step_loop(env_key):
     """Gymnasium SAME_STEP, the terminal observation stored from
     info["final_obs"] by step_rows. Bugs caught: a done row keeping the reset
     observation as its next observation, a row dropped or added, the
-    final-observation entry leaking into the buffer (key sets differ)."""
+    final-observation entry leaking into the buffer (key sets differ).
+    """
     name, kwargs, policy = ENVS[env_key]
-    venv = gym.make_vec(name, num_envs=N_ENVS, vectorization_mode="sync",
-                        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}, **kwargs)
+    venv = gym.make_vec(
+        name,
+        num_envs=N_ENVS,
+        vectorization_mode="sync",
+        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+        **kwargs,
+    )
     filt = AutoresetFilter.for_env(venv)
     assert (filt.options.mode, filt.options.layout) == ("same_step", "step")
     rb = ReplayBuffer(storage=LazyTensorStorage(10_000), transform=filt)
-    run_loop(name, kwargs, policy, N_ENVS, STEPS, gym.vector.AutoresetMode.SAME_STEP, rb,
-             with_info=True)
+    run_loop(
+        name, kwargs, policy, N_ENVS, STEPS, gym.vector.AutoresetMode.SAME_STEP, rb, with_info=True
+    )
     stats = filt.stats
     assert stats["rows_out"] == len(rb) == N_ENVS * STEPS
     assert stats["next_obs_restitched"] == stats["episodes_completed"] > 0
@@ -67,7 +72,8 @@ def test_sb3_subproc_vec_env_loop():
     """Stable-Baselines3 SubprocVecEnv (spawn): the terminal observation is in
     infos[i]["terminal_observation"]. Bugs caught: the reset observation kept
     as the done row's next observation, the SB3 info list not read, a
-    truncation flag lost."""
+    truncation flag lost.
+    """
     from stable_baselines3.common.vec_env import SubprocVecEnv
 
     name, kwargs, policy = ENVS["CartPole-terminates"]
@@ -87,8 +93,9 @@ def test_sb3_subproc_vec_env_loop():
         venv.close()
     stats = filt.stats
     assert stats["next_obs_restitched"] == stats["episodes_completed"] > 0
-    lost = compare_streams(streams_from_rows(rb[: len(rb)]), _oracle("CartPole-terminates"),
-                           min_rows=STEPS)
+    lost = compare_streams(
+        streams_from_rows(rb[: len(rb)]), _oracle("CartPole-terminates"), min_rows=STEPS
+    )
     assert lost == 0
 
 
@@ -98,7 +105,8 @@ def test_observation_only_next_step_loop(chunks):
     observation). Bugs caught: a row emitted before its successor arrived
     (wrong next observation across a call boundary, in particular right
     after a done row), the reset row's observation (the terminal one) not
-    used for the done row, a reset row kept, rows reordered across calls."""
+    used for the done row, a reset row kept, rows reordered across calls.
+    """
     name, kwargs, policy = ENVS["CartPole-terminates"]
     _, rows = run_loop(name, kwargs, policy, N_ENVS, STEPS, gym.vector.AutoresetMode.NEXT_STEP)
     rows = [r.exclude(("next", "observation")) for r in rows]
@@ -130,10 +138,12 @@ def test_torchrl_compact_obs_collector():
     for_env(collector). Bugs caught: observation-only data mistaken for full
     transitions (no next observation in the buffer), the reset row's
     observation not used as the done row's terminal observation, a joint
-    reset's lost terminal observation not marked."""
+    reset's lost terminal observation not marked.
+    """
     env = make_env("CartPole-v1", 2)
-    collector = Collector(env, push_left_policy, frames_per_batch=2 * 16,
-                          total_frames=2 * 16 * 10, compact_obs=True)
+    collector = Collector(
+        env, push_left_policy, frames_per_batch=2 * 16, total_frames=2 * 16 * 10, compact_obs=True
+    )
     filt = AutoresetFilter.for_env(collector)
     assert filt.options.observation_keys == (("observation",),)
     assert "compact_obs" in repr(filt)

@@ -11,7 +11,13 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter
-from cleanbuf._oracle import collect, compare_streams, make_env, streams_from_batches, streams_from_rows
+from cleanbuf._oracle import (
+    collect,
+    compare_streams,
+    make_env,
+    streams_from_batches,
+    streams_from_rows,
+)
 
 E, T, BATCHES = 2, 16, 10
 
@@ -37,14 +43,17 @@ def _cleaned(via_collector_rb, max_episode_steps=None, batches=BATCHES):
     return filt, rb, raw
 
 
-@pytest.mark.parametrize("via_collector_rb", [False, True], ids=["rb.extend", "Collector(replay_buffer=rb)"])
+@pytest.mark.parametrize(
+    "via_collector_rb", [False, True], ids=["rb.extend", "Collector(replay_buffer=rb)"]
+)
 def test_gymenv_matches_explicit_resets(via_collector_rb):
     """Bugs caught: a reset row left in the buffer (rows shift against the
     oracle), a terminal observation not restored (zeros instead of the
     oracle's value), is_init or step_count not restarted, a held row lost or
     stored twice (len(rb) != rows_out), a joint reset treated as a partial one
     (a real transition dropped, or ResetRowError), and lost terminal
-    observations that are not NaN or not counted."""
+    observations that are not NaN or not counted.
+    """
     oracle, oracle_batches = _oracle()
     filt, rb, _ = _cleaned(via_collector_rb)
     stats = filt.stats
@@ -66,7 +75,8 @@ def test_time_limit_all_envs_truncate_together():
     TorchRL resets jointly and no reset row ever appears. Bugs caught: holding
     the done rows and then dropping the next real transition as a "reset row"
     (ResetRowError or missing rows), or restoring a wrong terminal
-    observation instead of marking it lost."""
+    observation instead of marking it lost.
+    """
     oracle, _ = _oracle(max_episode_steps=5)
     filt, rb, _ = _cleaned(False, max_episode_steps=5)
     stats = filt.stats

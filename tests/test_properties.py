@@ -16,12 +16,13 @@ from unittest import mock
 
 import numpy as np
 import torch
-from hypothesis import given, settings, strategies as st
-from tensordict import TensorDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cleanbuf import AutoresetFilter, _move, _patch
 from tests.batches import KEYS, grid_td
 from tests.reference import FIELDS, reference_clean, simulate
+
 
 def rows_by_stream(out_tds):
     """Concatenates flat outputs and splits them by the 'stream' key, order kept."""
@@ -35,7 +36,9 @@ def rows_by_stream(out_tds):
 
 def as_dicts(td):
     keys = {f: k for f, k in KEYS.items() if k in td.keys(True, True)}
-    return [{f: (td.get(key)[i].item()) for f, key in keys.items()} for i in range(td.batch_size[0])]
+    return [
+        {f: (td.get(key)[i].item()) for f, key in keys.items()} for i in range(td.batch_size[0])
+    ]
 
 
 def assert_rows_equal(got, want, where):
@@ -46,7 +49,11 @@ def assert_rows_equal(got, want, where):
             if f not in w:
                 continue
             a, b = g[f], w[f]
-            same = (math.isnan(a) and math.isnan(b)) if isinstance(b, float) and math.isnan(b) else a == b
+            same = (
+                (math.isnan(a) and math.isnan(b))
+                if isinstance(b, float) and math.isnan(b)
+                else a == b
+            )
             assert same, f"{where}, row {i}, field {f}: got {a}, expected {b}"
 
 
@@ -80,7 +87,8 @@ def check_against_reference(raw, truth, got, drop_fields=(), **reference):
 
 def run_and_check(filt, calls, raw, truth, *, restore_at=None, after_call=None, **reference):
     """Runs the calls (and a flush), then checks the output per stream against
-    the reference and the truth, and that no row was lost."""
+    the reference and the truth, and that no row was lost.
+    """
     filt, outs = run_filter(filt, calls, restore_at, after_call)
     check_against_reference(raw, truth, rows_by_stream(outs), **reference)
     lossless(filt, raw)
@@ -89,12 +97,15 @@ def run_and_check(filt, calls, raw, truth, *, restore_at=None, after_call=None, 
 def adjust_truth(raw, truth, *, mode, obs_only, compact):
     """The truth as the cleaner can know it: observation-only data has no next
     observation for a stream's last row unless a row came after it; compact
-    output has no next observation at all."""
+    output has no next observation at all.
+    """
     for rows, true_rows in zip(raw, truth):
         if not true_rows:
             continue
         last = rows[-1]
-        after_reset_row = mode == "next_step" and len(rows) > 1 and rows[-2]["done"] and not rows[-2]["joint"]
+        after_reset_row = (
+            mode == "next_step" and len(rows) > 1 and rows[-2]["done"] and not rows[-2]["joint"]
+        )
         if obs_only and not compact and not after_reset_row:
             if not (last["done"] and (mode == "same_step" or last["joint"])):
                 true_rows[-1]["next_obs"] = float("nan")
@@ -123,8 +134,9 @@ def lossless(filt, raw):
     max_len=st.integers(1, 6),
     data=st.data(),
 )
-def test_time_last_random_boundaries(seed, workers, per_worker, steps, joint, in_done_row,
-                                     max_len, data):
+def test_time_last_random_boundaries(
+    seed, workers, per_worker, steps, joint, in_done_row, max_len, data
+):
     """[W, n, T] collector-like batches cut at random time boundaries; done rows
     zero-filled (TorchRL: they wait for their reset row) or holding their
     terminal observation (emitted at once).
@@ -134,24 +146,42 @@ def test_time_last_random_boundaries(seed, workers, per_worker, steps, joint, in
     the wrong row or stream, step_count / is_init not carried across calls,
     a joint reset decided over the wrong group, state lost in a
     state_dict / pickle round trip, a done row emitted at once although its
-    terminal observation is not in it (or held although it is)."""
+    terminal observation is not in it (or held although it is).
+    """
     rng = np.random.default_rng(seed)
     n = workers * per_worker
-    raw, truth = simulate(rng, n, steps, group=per_worker if joint else None, max_len=max_len,
-                          zero_fill=not in_done_row)
+    raw, truth = simulate(
+        rng,
+        n,
+        steps,
+        group=per_worker if joint else None,
+        max_len=max_len,
+        zero_fill=not in_done_row,
+    )
     td = grid_td(raw, (workers, per_worker))
     cuts = sorted(data.draw(st.sets(st.integers(1, max(steps - 1, 1)), max_size=steps)) - {steps})
     bounds = [0, *cuts, steps]
     calls = [td[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     restore_at = data.draw(st.integers(0, len(calls)))
-    filt = AutoresetFilter("next_step", joint_reset=joint,
-                           reset_group_size=per_worker if joint else None,
-                           terminal_obs_in_done_row=in_done_row)
+    filt = AutoresetFilter(
+        "next_step",
+        joint_reset=joint,
+        reset_group_size=per_worker if joint else None,
+        terminal_obs_in_done_row=in_done_row,
+    )
+
     def nothing_held(f):
         assert f.stats["rows_held"] == 0, "a done row that holds its terminal observation waits"
 
-    run_and_check(filt, calls, raw, truth, flush_lost=not in_done_row, restore_at=restore_at,
-                  after_call=nothing_held if in_done_row else None)
+    run_and_check(
+        filt,
+        calls,
+        raw,
+        truth,
+        flush_lost=not in_done_row,
+        restore_at=restore_at,
+        after_call=nothing_held if in_done_row else None,
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -176,13 +206,22 @@ def test_restarts_and_marks(seed, n, per_call, calls, joint, marks, max_len, dat
     taken as a reset row, a mark read as an episode end (a continuing row
     dropped), as a joint reset (a real next observation lost), or as a
     terminal observation to restitch, a mark on a reset row kept, a mark
-    still undecided at the flush stored as if complete."""
+    still undecided at the flush stored as if complete.
+    """
     rng = np.random.default_rng(seed)
     steps = per_call * calls
-    restart_at = data.draw(st.sets(st.sampled_from(range(per_call, steps, per_call)))
-                           if calls > 1 else st.just(set()))
-    raw, truth = simulate(rng, n, steps, group=n if joint else None, max_len=max_len,
-                          restart_at=restart_at, mark_every=per_call if marks else 0)
+    restart_at = data.draw(
+        st.sets(st.sampled_from(range(per_call, steps, per_call))) if calls > 1 else st.just(set())
+    )
+    raw, truth = simulate(
+        rng,
+        n,
+        steps,
+        group=n if joint else None,
+        max_len=max_len,
+        restart_at=restart_at,
+        mark_every=per_call if marks else 0,
+    )
     td = grid_td(raw, (n,), marks=marks)
     batches = [td[:, a : a + per_call] for a in range(0, steps, per_call)]
     filt = AutoresetFilter("next_step", joint_reset=joint, set_truncated=marks)
@@ -216,35 +255,52 @@ def test_modes_random_boundaries(seed, n, steps, variant, joint, data):
     arrives (then with a wrong or missing next observation), a same-step done
     row keeping the reset observation instead of its final one, a missing
     final observation not marked, compact output growing next observations,
-    the final-observation entry stored in the output."""
+    the final-observation entry stored in the output.
+    """
     mode, obs_only, compact = variant
     joint = joint and mode == "next_step"
     rng = np.random.default_rng(seed)
-    raw, truth = simulate(rng, n, steps, mode=mode, group=n if joint else None,
-                          final_missing=0.2)
+    raw, truth = simulate(rng, n, steps, mode=mode, group=n if joint else None, final_missing=0.2)
     truth = adjust_truth(raw, truth, mode=mode, obs_only=obs_only, compact=compact)
     td = grid_td(raw, (n,), final=mode == "same_step", obs_only=obs_only)
     cuts = sorted(data.draw(st.sets(st.integers(1, max(steps - 1, 1)), max_size=steps)) - {steps})
     bounds = [0, *cuts, steps]
     calls = [td[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     filt = AutoresetFilter(
-        mode, joint_reset=joint, on_lost_terminal_obs="nan", compact=compact,
+        mode,
+        joint_reset=joint,
+        on_lost_terminal_obs="nan",
+        compact=compact,
         observation_keys=["observation"],
     )
-    run_and_check(filt, calls, raw, truth, restore_at=data.draw(st.integers(0, len(calls))),
-                  mode=mode, obs_only=obs_only, compact=compact)
+    run_and_check(
+        filt,
+        calls,
+        raw,
+        truth,
+        restore_at=data.draw(st.integers(0, len(calls))),
+        mode=mode,
+        obs_only=obs_only,
+        compact=compact,
+    )
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6), steps=st.integers(1, 30),
-       joint=st.booleans(), bookkeeping=st.sampled_from(["both", "none", "is_init", "step_count"]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 6),
+    steps=st.integers(1, 30),
+    joint=st.booleans(),
+    bookkeeping=st.sampled_from(["both", "none", "is_init", "step_count"]),
+)
 def test_step_layout_one_step_per_call(seed, n, steps, joint, bookkeeping):
     """Raw vector-env loops: one [E] step per call (raw loops keep the terminal
     observation in the done row), with or without InitTracker / StepCounter
     keys (raw loops usually have none: most calls then take the no-copy
     path). Bugs caught: a done row stored twice or with the wrong next obs, a
     reset row kept, a call taking the no-copy path while a reset row is
-    pending or an is_init / step_count fix applies."""
+    pending or an is_init / step_count fix applies.
+    """
     rng = np.random.default_rng(seed)
     raw, truth = simulate(rng, n, steps, group=n if joint else None, zero_fill=False)
     td = grid_td(raw, (n,))
@@ -261,13 +317,15 @@ def test_step_layout_one_step_per_call(seed, n, steps, joint, bookkeeping):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5), steps=st.integers(1, 30),
-       data=st.data())
+@given(
+    seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5), steps=st.integers(1, 30), data=st.data()
+)
 def test_stream_key_interleaved_rows(seed, n, steps, data):
     """Flat rows with a stream-id key, streams interleaved at random and cut
     anywhere, stream ids sparse (10 * e + 3). Bugs caught: rows of different
     streams mixed up, a stream absent from a call losing its held row, new
-    stream ids mapped onto old slots."""
+    stream ids mapped onto old slots.
+    """
     rng = np.random.default_rng(seed)
     raw, truth = simulate(rng, n, steps, zero_fill=False)
     td = grid_td(raw, (n,)).reshape(-1)
@@ -281,10 +339,14 @@ def test_stream_key_interleaved_rows(seed, n, steps, data):
         slots = np.flatnonzero(streams[order] == e)
         perm[slots] = np.flatnonzero(streams == e)
     flat = td[torch.from_numpy(perm)]
-    cuts = sorted(data.draw(st.sets(st.integers(1, n * steps - 1), max_size=8)) if n * steps > 1 else [])
+    cuts = sorted(
+        data.draw(st.sets(st.integers(1, n * steps - 1), max_size=8)) if n * steps > 1 else []
+    )
     bounds = [0, *cuts, n * steps]
     calls = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-    run_and_check(AutoresetFilter("next_step", stream_key="sid"), calls, raw, truth, flush_lost=False)
+    run_and_check(
+        AutoresetFilter("next_step", stream_key="sid"), calls, raw, truth, flush_lost=False
+    )
 
 
 @contextlib.contextmanager
@@ -292,9 +354,12 @@ def torch_ops_only():
     """Turns off the numpy shortcuts that CPU tensors take (small rows moved with
     numpy's ``take``, patches through numpy views, flags read as views), so that
     rows move and are patched with torch ops, as on CUDA or with dtypes numpy
-    lacks (bfloat16)."""
+    lacks (bfloat16).
+    """
+
     def none(t):
         return None
+
     with mock.patch.object(_move, "numpy_view", none):
         yield
 
@@ -319,7 +384,8 @@ def test_numpy_and_torch_paths_agree(seed, n, steps, variant, joint, wide, data)
     the wrong rows, a fancy-index assignment that writes into a copy), a
     small-row gather that returns another shape or dtype than index_select,
     the row-by-row copy of large observation rows (``wide``: 16 KiB a row,
-    ``_patch.ROW_LOOP_BYTES``) pairing a position with another row's source."""
+    ``_patch.ROW_LOOP_BYTES``) pairing a position with another row's source.
+    """
     mode, obs_only, compact = variant
     joint = joint and mode == "next_step"
     rng = np.random.default_rng(seed)
@@ -335,8 +401,13 @@ def test_numpy_and_torch_paths_agree(seed, n, steps, variant, joint, wide, data)
     calls = [td[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
     def run():
-        filt = AutoresetFilter(mode, joint_reset=joint, on_lost_terminal_obs="nan", compact=compact,
-                               observation_keys=["observation"])
+        filt = AutoresetFilter(
+            mode,
+            joint_reset=joint,
+            on_lost_terminal_obs="nan",
+            compact=compact,
+            observation_keys=["observation"],
+        )
         return [filt.inv(c) for c in calls] + [filt.flush()]
 
     fast = run()
@@ -348,5 +419,11 @@ def test_numpy_and_torch_paths_agree(seed, n, steps, variant, joint, wide, data)
             continue
         assert set(a.keys(True, True)) == set(b.keys(True, True)), f"call {i}: keys differ"
         for k in a.keys(True, True):
-            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, equal_nan=True,
-                                       msg=lambda m, k=k, i=i: f"call {i}, key {k}: {m}")
+            torch.testing.assert_close(
+                a[k],
+                b[k],
+                rtol=0,
+                atol=0,
+                equal_nan=True,
+                msg=lambda m, k=k, i=i: f"call {i}, key {k}: {m}",
+            )

@@ -17,7 +17,8 @@ STREAM = "env_id"
 
 def worker_env(disabled=False):
     """One worker's env: ``GymEnv("CartPole-v1", num_envs=2)`` (next-step,
-    joint reset), or the same envs with explicit resets (the oracle)."""
+    joint reset), or the same envs with explicit resets (the oracle).
+    """
     if disabled:
         venv = gym.vector.SyncVectorEnv(
             [functools.partial(gym.make, "CartPole-v1")] * ENVS_PER_WORKER,
