@@ -130,9 +130,15 @@ class Table:
         ]
         for r in self.rows:
             note = f" ({r['note']})" if r["note"] else ""
-            lines.append(
-                f"| {r['case']}{note} | {r['baseline']} | {r['ours']} | {r['ratio_str']} | {r['target']} | {r['pass']} |"
-            )
+            cells = [
+                f"{r['case']}{note}",
+                r["baseline"],
+                r["ours"],
+                r["ratio_str"],
+                r["target"],
+                r["pass"],
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
 
@@ -333,7 +339,7 @@ def recipe_case(table: Table, rounds: int) -> None:
         filt = AutoresetFilter()
         compact = MinimalCompaction(keep_index(batch), reuse=True)
         calls = {
-            "recipe": lambda: gymnasium_recipe(*arrays),
+            "recipe": lambda arrays=arrays: gymnasium_recipe(*arrays),
             "filter": _cycling(filt.inv, alternating(batch)),
             "compact": _cycling(compact.inv, alternating(batch)),
         }

@@ -79,17 +79,20 @@ class Carry:
         return self.per_stream.shape[1]
 
     def snapshot(self) -> Carry:
-        """A shallow copy (cheaper than ``copy.copy``): a call replaces the
-        fields of its carry and never writes into their values, so the copy
-        stays what the carry was.
+        """A shallow copy, cheaper than ``copy.copy``.
+
+        A call replaces the fields of its carry and never writes into their
+        values, so the copy stays what the carry was.
         """
         out = object.__new__(Carry)
         out.__dict__.update(self.__dict__)
         return out
 
     def is_blank(self) -> bool:
-        """Whether nothing carries over: no held row, no flag, every stream's
-        last row done (a new carry is blank).
+        """Whether nothing carries over (a new carry is blank).
+
+        Nothing carries over when no row is held, no flag is set and every
+        stream's last row ended an episode.
         """
         return not (
             len(self.held_stream)

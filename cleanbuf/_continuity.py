@@ -22,7 +22,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from cleanbuf._errors import ContinuityError
+from cleanbuf._errors import ContinuityError, key_name
 from cleanbuf._move import Views, index_tensor
 
 
@@ -106,7 +106,7 @@ class LastRows:
             if not same.all():
                 bad = int(streams[np.flatnonzero(~same)[0]])
                 raise ContinuityError(
-                    f"stream {bad} does not continue: the observation {_name(k)} of its first "
+                    f"stream {bad} does not continue: the observation {key_name(k)} of its first "
                     "row in this call differs from the next observation of its last row in the "
                     "previous call, and neither row ends an episode or restarts the stream. "
                     "Likely causes: batches from another producer (a MultiAsyncCollector "
@@ -116,10 +116,6 @@ class LastRows:
                     "InitTracker() to the env). check_continuity=False turns this check off. "
                     "Nothing was written."
                 )
-
-
-def _name(key: tuple) -> str:
-    return repr(key[0]) if len(key) == 1 else repr(key)
 
 
 def take_rows(rows: Views, key: tuple, index: np.ndarray) -> torch.Tensor | np.ndarray:
@@ -139,8 +135,9 @@ def _index(x, streams: np.ndarray):
 
 
 def same_bytes(a, b) -> bool:
-    """Whether two numpy arrays hold the same bytes (the common case of
-    :func:`same_rows`, in one comparison); False for anything else.
+    """Whether two numpy arrays hold the same bytes; False for anything else.
+
+    The common case of :func:`same_rows`, in one comparison.
     """
     return (
         isinstance(a, np.ndarray)

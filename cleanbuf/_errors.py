@@ -8,6 +8,16 @@ call that raises one changes no state and writes nothing.
 from __future__ import annotations
 
 
+def key_name(key: tuple) -> str:
+    """A key as the user wrote it, for messages: ``'obs'`` or ``('next', 'obs')``.
+
+    Examples:
+        >>> key_name(("obs",)), key_name(("next", "obs"))
+        ("'obs'", "('next', 'obs')")
+    """
+    return repr(key[0]) if len(key) == 1 else repr(key)
+
+
 class CleanbufError(ValueError):
     """Base class of every error cleanbuf raises on bad input or configuration."""
 

@@ -1,10 +1,9 @@
 """numba kernels on plain arrays: the planning scan and the row selection.
 
-The cleaner calls both at once through :func:`plan_rows`, whose results come
-packed in a few arrays (each array a kernel returns costs about 0.3 us to
-box). Nothing here knows about TensorDicts, keys or torch. Validation
-happens in the Python callers (``_cleaner.py``) before a kernel runs; the
-kernels assume well-formed input and never raise. They are checked against
+The cleaner calls both at once through :func:`plan_rows`. Nothing here
+knows about TensorDicts, keys or torch. Validation happens in the Python
+callers (``_cleaner.py``) before a kernel runs; the kernels assume
+well-formed input and never raise. They are checked against
 the row-by-row reference cleaner in ``tests/reference.py`` on random
 streams.
 
@@ -279,9 +278,7 @@ def plan(
 
 
 class Selection(NamedTuple):
-    """The rows of one call, as :func:`select_rows` packs them, in this order
-    (see there).
-    """
+    """The rows of one call, as :func:`select_rows` returns them (see there)."""
 
     emit: np.ndarray
     hold: np.ndarray
@@ -293,22 +290,6 @@ class Selection(NamedTuple):
     hold_init: np.ndarray
     emit_shift: np.ndarray
     hold_shift: np.ndarray
-
-    @classmethod
-    def unpack(cls, rows: np.ndarray, ends: tuple) -> Selection:
-        """Splits the packed rows at ``ends`` (slices: views of ``rows``; an
-        empty part is one shared read-only empty array, cheaper than a slice).
-
-        Examples:
-            >>> Selection.unpack(np.arange(3), (2, 3, 3, 3, 3, 3, 3, 3, 3, 3)).hold.tolist()
-            [2]
-        """
-        start = 0
-        parts = []
-        for end in ends:
-            parts.append(rows[start:end] if end > start else NO_ROWS)
-            start = end
-        return tuple.__new__(cls, parts)
 
 
 @njit(cache=True, nogil=True)
@@ -322,87 +303,86 @@ def select_rows(code, next_src, drop_lost):
         drop_lost: drop ``LOST`` rows instead of emitting them.
 
     Returns:
-        ``(rows, ends)``: one int64 array that packs the fields of
-        :class:`Selection` one after the other, and the end of each part in
-        it (a tuple of ints; :meth:`Selection.unpack` splits them). The
-        parts: row indices to emit and to hold (input order); the positions
-        within ``emit`` of ``STITCHED`` rows and their source rows; the
-        positions within ``emit`` of ``LOST`` and ``FINAL`` rows; the
-        positions within ``emit`` and ``hold`` whose ``is_init`` must be
-        set; per emitted and per held row, 1 where its step counts must drop
-        by one (each of these two is empty when no such row shifts).
+        The fields of :class:`Selection`, int64 arrays: the row indices to
+        emit and to hold (input order); the positions within ``emit`` of
+        ``STITCHED`` rows and their source rows; the positions within
+        ``emit`` of ``LOST`` and ``FINAL`` rows; the positions within
+        ``emit`` and ``hold`` whose ``is_init`` must be set; per emitted and
+        per held row, 1 where its step counts must drop by one (each of
+        these two is empty when no such row shifts).
     """
     n = code.shape[0]
+    # First pass: the size of each part.
     n_emit = n_hold = n_stitched = n_lost = n_final = n_emit_init = n_hold_init = 0
-    n_emit_shift = n_hold_shift = 0
+    emit_shifts = hold_shifts = False
     for i in range(n):
         c = code[i] & CODE_MASK
         init = (code[i] & INIT_BIT) != 0
+        shifted = (code[i] & SHIFT_BIT) != 0
         if c == HOLD:
             n_hold += 1
             n_hold_init += init
-            n_hold_shift += (code[i] & SHIFT_BIT) != 0
+            hold_shifts |= shifted
         elif c != DROP and (c != LOST or not drop_lost):
             n_emit += 1
             n_emit_init += init
-            n_emit_shift += (code[i] & SHIFT_BIT) != 0
+            emit_shifts |= shifted
             n_stitched += c == STITCHED
             n_lost += c == LOST
             n_final += c == FINAL
-    # Where each part starts in the packed array.
-    hold_at = n_emit
-    stitched_at = hold_at + n_hold
-    src_at = stitched_at + n_stitched
-    lost_at = src_at + n_stitched
-    final_at = lost_at + n_lost
-    emit_init_at = final_at + n_final
-    hold_init_at = emit_init_at + n_emit_init
-    emit_shift_at = hold_init_at + n_hold_init
-    hold_shift_at = emit_shift_at + (n_emit if n_emit_shift else 0)
-    end = hold_shift_at + (n_hold if n_hold_shift else 0)
-    rows = np.empty(end, np.int64)
-    a = b = p = q = f = u = v = 0
+    emit = np.empty(n_emit, np.int64)
+    hold = np.empty(n_hold, np.int64)
+    stitched = np.empty(n_stitched, np.int64)
+    stitched_src = np.empty(n_stitched, np.int64)
+    lost = np.empty(n_lost, np.int64)
+    final = np.empty(n_final, np.int64)
+    emit_init = np.empty(n_emit_init, np.int64)
+    hold_init = np.empty(n_hold_init, np.int64)
+    emit_shift = np.zeros(n_emit if emit_shifts else 0, np.int64)
+    hold_shift = np.zeros(n_hold if hold_shifts else 0, np.int64)
+    # Second pass: fill them; each counter is the next free place in its part.
+    n_emit = n_hold = n_stitched = n_lost = n_final = n_emit_init = n_hold_init = 0
     for i in range(n):
         c = code[i] & CODE_MASK
         init = (code[i] & INIT_BIT) != 0
-        sh = 1 if (code[i] & SHIFT_BIT) != 0 else 0
+        shifted = (code[i] & SHIFT_BIT) != 0
         if c == HOLD:
             if init:
-                rows[hold_init_at + v] = b
-                v += 1
-            rows[hold_at + b] = i
-            if n_hold_shift:
-                rows[hold_shift_at + b] = sh
-            b += 1
+                hold_init[n_hold_init] = n_hold
+                n_hold_init += 1
+            if hold_shifts and shifted:
+                hold_shift[n_hold] = 1
+            hold[n_hold] = i
+            n_hold += 1
         elif c != DROP and (c != LOST or not drop_lost):
             if c == STITCHED:
-                rows[stitched_at + p] = a
-                rows[src_at + p] = next_src[i] if next_src.shape[0] else i + 1
-                p += 1
+                stitched[n_stitched] = n_emit
+                stitched_src[n_stitched] = next_src[i] if next_src.shape[0] else i + 1
+                n_stitched += 1
             elif c == LOST:
-                rows[lost_at + q] = a
-                q += 1
+                lost[n_lost] = n_emit
+                n_lost += 1
             elif c == FINAL:
-                rows[final_at + f] = a
-                f += 1
+                final[n_final] = n_emit
+                n_final += 1
             if init:
-                rows[emit_init_at + u] = a
-                u += 1
-            rows[a] = i
-            if n_emit_shift:
-                rows[emit_shift_at + a] = sh
-            a += 1
-    return rows, (
-        hold_at,
-        stitched_at,
-        src_at,
-        lost_at,
-        final_at,
-        emit_init_at,
-        hold_init_at,
-        emit_shift_at,
-        hold_shift_at,
-        end,
+                emit_init[n_emit_init] = n_emit
+                n_emit_init += 1
+            if emit_shifts and shifted:
+                emit_shift[n_emit] = 1
+            emit[n_emit] = i
+            n_emit += 1
+    return (
+        emit,
+        hold,
+        stitched,
+        stitched_src,
+        lost,
+        final,
+        emit_init,
+        hold_init,
+        emit_shift,
+        hold_shift,
     )
 
 
@@ -433,10 +413,10 @@ def plan_rows(
     next-observation sources stay inside the kernel.
 
     Returns:
-        ``(rows, ends, released_src, carry, n_drop, n_lost, n_next_lost,
-        n_done, bad_row)``: the packed selection (:meth:`Selection.unpack`) and the
-        rest of :func:`plan`'s results. When ``bad_row >= 0`` the selection
-        is empty.
+        ``(selection, released_src, carry, n_drop, n_lost, n_next_lost,
+        n_done, bad_row)``: the fields of :class:`Selection` (a tuple) and
+        the rest of :func:`plan`'s results. When ``bad_row >= 0`` the
+        selection is empty.
     """
     code, next_src, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row = plan(
         n,
@@ -458,5 +438,5 @@ def plan_rows(
     )
     if bad_row >= 0:
         code = code[:0]
-    rows, ends = select_rows(code, next_src, drop_lost)
-    return rows, ends, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row
+    selection = select_rows(code, next_src, drop_lost)
+    return selection, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row

@@ -6,17 +6,13 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
-from cleanbuf._errors import InputError
+from cleanbuf._errors import InputError, key_name
 from cleanbuf._move import Views
 
 NEXT = "next"
 DONE_KEYS = (("next", "done"), ("next", "terminated"), ("next", "truncated"))
 # Keys that live at the root and under "next" but are not observations.
 NOT_OBSERVATIONS = {"done", "terminated", "truncated", "reward", "is_init", "step_count"}
-
-
-def _fmt(key: tuple) -> str:
-    return repr(key[0]) if len(key) == 1 else repr(key)
 
 
 def batch_leaves(td: TensorDictBase) -> dict:
@@ -51,7 +47,7 @@ def batch_leaves(td: TensorDictBase) -> dict:
         key = key if isinstance(key, tuple) else (key,)
         if not isinstance(value, torch.Tensor):
             raise InputError(
-                f"key {_fmt(key)} holds {type(value).__name__}, not a tensor; cleanbuf "
+                f"key {key_name(key)} holds {type(value).__name__}, not a tensor; cleanbuf "
                 "moves tensor leaves only. Exclude it before the filter "
                 "(data.exclude(key)) or store it as a tensor."
             )
@@ -60,9 +56,10 @@ def batch_leaves(td: TensorDictBase) -> dict:
 
 
 def _walk(td: TensorDictBase, prefix: tuple, leaves: dict) -> bool:
-    """Collects the tensor leaves of a plain ``TensorDict`` tree from its key
-    dicts (a few microseconds instead of ``items()``'s tens); False for any
-    other kind of node.
+    """Collects the tensor leaves of a plain ``TensorDict`` tree; False otherwise.
+
+    It reads the key dicts (a few microseconds instead of ``items()``'s
+    tens); False for any other kind of node.
     """
     if type(td) is not TensorDict:
         return False
@@ -88,13 +85,13 @@ def row_flags(name: str, key: tuple, rows: Views) -> np.ndarray:
     value = rows.tensors[key]
     if value.dtype != torch.bool:
         raise InputError(
-            f"{name} key {_fmt(key)} must be torch.bool; got dtype {value.dtype}. "
+            f"{name} key {key_name(key)} must be torch.bool; got dtype {value.dtype}. "
             f"Fix: data.set({key!r}, data.get({key!r}).bool()) before the filter, or "
             "fix the producer."
         )
     if value.shape[rows.batch_dims :].numel() != 1:
         raise InputError(
-            f"{name} key {_fmt(key)} must hold one flag per row (shape [*batch] or "
+            f"{name} key {key_name(key)} must hold one flag per row (shape [*batch] or "
             f"[*batch, 1]); got trailing shape {list(value.shape[rows.batch_dims :])}. "
             "Multi-agent done flags need one env-level done; pass done_key= with such a key."
         )
@@ -188,13 +185,13 @@ def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> 
     missing = [k for k in declared if k not in leaves]
     if missing:
         raise InputError(
-            f"observation key(s) {', '.join(_fmt(k) for k in missing)} missing from the batch "
+            f"observation key(s) {', '.join(key_name(k) for k in missing)} missing from the batch "
             f"(found {sorted(leaves, key=str)}). Fix observation_keys=."
         )
     twins = [(NEXT, *k) in leaves for k in declared]
     if any(twins) and not all(twins):
-        have = ", ".join(_fmt(k) for k, t in zip(declared, twins) if t)
-        lack = ", ".join(_fmt(k) for k, t in zip(declared, twins) if not t)
+        have = ", ".join(key_name(k) for k, t in zip(declared, twins) if t)
+        lack = ", ".join(key_name(k) for k, t in zip(declared, twins) if not t)
         raise InputError(
             f"observation keys {have} have a ('next', ...) twin but {lack} do not; store "
             "every observation key under 'next' (full transitions) or none of them "
@@ -207,14 +204,15 @@ def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> 
 
 
 def check_same_layout(leaves: dict, key: tuple, other: tuple) -> None:
-    """Raises unless ``other`` has the shape and dtype of ``key`` (the rows of one
-    can then be written into the other).
+    """Raises unless ``other`` has the shape and dtype of ``key``.
+
+    The rows of one can then be written into the other.
     """
     a, b = leaves[key], leaves[other]
     if a.shape != b.shape or a.dtype != b.dtype:
         raise InputError(
-            f"observation key {_fmt(key)} has shape {list(a.shape)} and dtype {a.dtype} "
-            f"but {_fmt(other)} has shape {list(b.shape)} and dtype {b.dtype}; both must "
+            f"observation key {key_name(key)} has shape {list(a.shape)} and dtype {a.dtype} "
+            f"but {key_name(other)} has shape {list(b.shape)} and dtype {b.dtype}; both must "
             "match for the next observation to be re-stitched."
         )
 
@@ -244,9 +242,10 @@ def final_entries(
     is one tensor (for a single observation key) or a sub-TensorDict with
     the observation keys inside, in full (``("next", "final_obs", "pixels")``
     for ``"pixels"``) or relative to their common parent
-    (``("next", "final_obs", "pos")`` for ``("observation", "pos")``). A boolean entry of the same name with a
-    leading underscore (``("next", "_final_obs")``, as Gymnasium's info
-    masks) says per row whether the final observation is there.
+    (``("next", "final_obs", "pos")`` for ``("observation", "pos")``). A
+    boolean entry of the same name with a leading underscore
+    (``("next", "_final_obs")``, as Gymnasium's info masks) says per row
+    whether the final observation is there.
 
     Args:
         leaves: the batch leaves.
@@ -283,8 +282,9 @@ def final_entries(
     if prefix in leaves:
         if len(obs_keys) != 1:
             raise InputError(
-                f"the final-observation entry {_fmt(prefix)} is one tensor but there are "
-                f"{len(obs_keys)} observation keys ({', '.join(_fmt(k) for k in obs_keys)}); store it "
+                f"the final-observation entry {key_name(prefix)} is one tensor but there are "
+                f"{len(obs_keys)} observation keys "
+                f"({', '.join(key_name(k) for k in obs_keys)}); store it "
                 "as a sub-TensorDict with one entry per observation key (for example "
                 f"{(*prefix, *obs_keys[0])!r})."
             )
@@ -299,11 +299,11 @@ def final_entries(
             relative = {k: (*prefix, *k[len(parent) :]) for k in obs_keys}
             if all(f in leaves for f in relative.values()):
                 final_of = relative
-        missing = ", ".join(_fmt(f) for f in final_of.values() if f not in leaves)
+        missing = ", ".join(key_name(f) for f in final_of.values() if f not in leaves)
         if missing:
             raise InputError(
-                f"the final-observation entry {_fmt(prefix)} lacks {missing}; it needs one "
-                f"entry per observation key ({', '.join(_fmt(k) for k in obs_keys)}). Fix "
+                f"the final-observation entry {key_name(prefix)} lacks {missing}; it needs one "
+                f"entry per observation key ({', '.join(key_name(k) for k in obs_keys)}). Fix "
                 "final_obs_key= or the stored entry."
             )
     for k, f in final_of.items():
@@ -315,7 +315,7 @@ def final_entries(
         mask = leaves[mask_key]
         if mask.dtype != torch.bool or mask.shape[batch_dims:].numel() != 1:
             raise InputError(
-                f"the final-observation mask {_fmt(mask_key)} must be one torch.bool per "
+                f"the final-observation mask {key_name(mask_key)} must be one torch.bool per "
                 f"row; got dtype {mask.dtype} and shape {list(mask.shape)}."
             )
         present = mask.reshape(n_rows).cpu().numpy()

@@ -42,8 +42,9 @@ def numpy_view(t: torch.Tensor) -> np.ndarray | None:
 
 
 class Views(dict):
-    """A call's tensors by key, read as rows: flat tensors and numpy views, each
-    made once, on first use.
+    """A call's tensors by key, read as rows: flat tensors and numpy views.
+
+    Each view is made once, on first use.
 
     A batch ``[*B, ...]`` is read as rows ``[prod(B), ...]``. Flattening a
     tensor costs about a microsecond, and so does ``Tensor.numpy()``; a call
@@ -77,9 +78,7 @@ class Views(dict):
         self._flat = tensors if batch_dims == 1 else {}
 
     def flat(self, key) -> torch.Tensor:
-        """``tensors[key]`` with its batch dimensions flattened into one (a view
-        where possible).
-        """
+        """``tensors[key]`` with its batch dimensions flattened (a view where possible)."""
         x = self._flat.get(key)
         if x is None:
             x = self._flat[key] = self.tensors[key].flatten(0, self.batch_dims - 1)
@@ -94,9 +93,10 @@ class Views(dict):
 
 
 def index_tensor(index: np.ndarray, device=None) -> torch.Tensor:
-    """A numpy row index as a tensor on ``device``, without torch's warning
-    about read-only arrays (the shared empty index is one: copied, it costs
-    nothing).
+    """A numpy row index as a tensor on ``device``.
+
+    Without torch's warning about read-only arrays (the shared empty index
+    is one: copied, it costs nothing).
 
     Examples:
         >>> index_tensor(np.array([2, 0])).tolist()

@@ -96,8 +96,10 @@ class Options:
 
     @property
     def step_count_keys(self) -> tuple:
-        """The step-count keys to fix: ``step_count_key`` and its ``("next", ...)``
-        twin, or none when ``step_count_key`` is None.
+        """The step-count keys to fix.
+
+        ``step_count_key`` and its ``("next", ...)`` twin, or none when
+        ``step_count_key`` is None.
 
         Examples:
             >>> Options().step_count_keys

@@ -136,8 +136,11 @@ def write_next_obs(
 
 
 def fix_bookkeeping(rows: Views, offset, init_pos, row_shift, is_init_key, step_keys) -> None:
-    """Sets ``is_init`` at ``offset + init_pos`` and subtracts ``row_shift`` from
-    the step counts (``step_keys``) of rows ``offset:``, where those keys exist.
+    """Sets ``is_init`` and shifts the step counts of the given rows.
+
+    ``is_init`` at ``offset + init_pos``; ``row_shift`` is subtracted from
+    the step counts (``step_keys``) of rows ``offset:``, where those keys
+    exist.
 
     ``row_shift`` is int64 per row from ``offset`` on (to the last row), or
     empty when no row shifts.

@@ -36,7 +36,8 @@ class BufferPool:
         >>> pool.take("obs", (1000, 512), torch.float32, torch.device("cpu")).data_ptr() == ptr
         True
         >>> kept = pool.take("obs", (1000, 512), torch.float32, torch.device("cpu"))
-        >>> pool.take("obs", (1000, 512), torch.float32, torch.device("cpu")).data_ptr() == kept.data_ptr()
+        >>> again = pool.take("obs", (1000, 512), torch.float32, torch.device("cpu"))
+        >>> again.data_ptr() == kept.data_ptr()
         False
         >>> pool.take("small", (10, 4), torch.float32, torch.device("cpu")) is None
         True
@@ -48,8 +49,9 @@ class BufferPool:
     def take(
         self, key, shape: tuple, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor | None:
-        """An uninitialized tensor of ``shape`` in reused memory; None for a small
-        one (cheap to allocate: let the caller allocate it).
+        """An uninitialized tensor of ``shape`` in reused memory.
+
+        None for a small one (cheap to allocate: let the caller allocate it).
         """
         rows, feature = shape[0], tuple(shape[1:])
         row_bytes = dtype.itemsize

@@ -47,9 +47,11 @@ _BOOKKEEPING = {"is_init", "step_count"}
 
 
 def _collector_options(collector: Any) -> tuple[dict, str]:
-    """A TorchRL collector: its env's options; a multi-process collector's
-    workers, each its own reset group; batch-end marks with
-    ``set_truncated=True``; observation-only data with ``compact_obs=True``.
+    """The options for a TorchRL collector.
+
+    Its env's options; a multi-process collector's workers, each its own
+    reset group; batch-end marks with ``set_truncated=True``;
+    observation-only data with ``compact_obs=True``.
     """
     from torchrl.collectors import MultiCollector
 
@@ -79,10 +81,12 @@ def _collector_options(collector: Any) -> tuple[dict, str]:
 
 
 def _multi_collector_options(collector: Any) -> tuple[dict, str, list]:
-    """``MultiSyncCollector`` / ``MultiAsyncCollector``: the options of the
-    first worker's env (a probe is built once), with each worker its own
-    reset group. The batches a ``MultiAsyncCollector`` yields come from one
-    worker at a time; the filter tells the workers apart by trajectory ids.
+    """The options for a ``MultiSyncCollector`` / ``MultiAsyncCollector``.
+
+    The options of the first worker's env (a probe is built once), with
+    each worker its own reset group. The batches a ``MultiAsyncCollector``
+    yields come from one worker at a time; the filter tells the workers
+    apart by trajectory ids.
 
     Returns:
         ``(options, reason, observation keys of the worker env)``.

@@ -47,17 +47,17 @@ class Fingerprint:
 
     @classmethod
     def of_call(cls, views: Views, first: np.ndarray, ends: CallEnds) -> Fingerprint:
-        """The trajectory ids of the rows ``first`` (one per stream), or their
-        observations (``ends``) where the rows have no trajectory ids.
+        """The fingerprint of a call from its first row of each stream.
+
+        The trajectory ids of the rows ``first``, or their observations
+        (``ends``) where the rows have no trajectory ids.
         """
         if TRAJ_IDS in views.tensors:
             return cls(True, {TRAJ_IDS: take_rows(views, TRAJ_IDS, first)})
         return cls(False, ends.first_obs)
 
     def same(self, other: Fingerprint | None) -> bool:
-        """Whether ``other`` has the same first rows, byte for byte (a batch
-        written again is the same batch).
-        """
+        """Whether ``other`` has the same first rows, byte for byte."""
         if other is None or other.exact != self.exact or other.rows.keys() != self.rows.keys():
             return False
         return all(_same(a, other.rows[k]) for k, a in self.rows.items())
@@ -80,8 +80,10 @@ class Undo:
 
     @classmethod
     def of(cls, cleaner) -> Undo:
-        """Snapshots ``cleaner`` (its carries are replaced or have their
-        fields replaced by a call, never written into: shallow copies do).
+        """Snapshots ``cleaner``.
+
+        A call replaces its carries or their fields and never writes into
+        them, so shallow copies do.
         """
         return cls(
             cleaner._carry.snapshot(), [g.snapshot() for g in cleaner._groups], dict(cleaner._stats)

@@ -113,7 +113,8 @@ def step_rows(
         >>> from cleanbuf import AutoresetFilter, step_rows
         >>> envs = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync",
         ...     vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
-        >>> rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=AutoresetFilter.for_env(envs))
+        >>> filt = AutoresetFilter.for_env(envs)
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=filt)
         >>> obs, _ = envs.reset(seed=0)
         >>> for _ in range(20):
         ...     action = envs.action_space.sample()

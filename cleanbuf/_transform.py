@@ -18,10 +18,11 @@ from cleanbuf._producers import TRAJ_IDS
 
 
 def _is_storage_init(td: TensorDictBase) -> bool:
-    """Whether ``td`` is the batch a TorchRL multi-process collector writes to
-    initialise the buffer's storage before its workers start (all zeros, one
-    step, trajectory ids included), and removes right after with
-    ``rb.empty()``.
+    """Whether ``td`` is TorchRL's storage-initialisation batch.
+
+    A multi-process collector writes it to initialise the buffer's storage
+    before its workers start (all zeros, one step, trajectory ids
+    included), and removes it right after with ``rb.empty()``.
     """
     if not td.batch_dims or td.batch_size[-1] != 1 or TRAJ_IDS not in td.keys(True, True):
         return False
@@ -198,10 +199,12 @@ class AutoresetFilter(Transform):
 
     @property
     def stats(self) -> dict:
-        """Counters: ``rows_in``, ``rows_out``, ``reset_rows_dropped``,
+        """The counters, as plain Python ints.
+
+        ``rows_in``, ``rows_out``, ``reset_rows_dropped``,
         ``next_obs_restitched``, ``terminal_obs_missing``,
         ``next_obs_missing``, ``lost_rows_dropped``, ``rows_held``,
-        ``episodes_completed``; plain Python ints.
+        ``episodes_completed``.
 
         Once the buffer is shared with worker processes (a multi-process
         collector given the buffer), the sums over every copy of the filter,
@@ -273,9 +276,10 @@ class AutoresetFilter(Transform):
             self._bypass = False
 
     def _flush_copies(self, rb: Any) -> TensorDictBase | None:
-        """:meth:`flush` of every copy's last published state (the buffer is
-        shared): their held rows, in one write; each copy's state then shows
-        them stored. Call it once the workers are done (after the
+        """:meth:`flush` of every copy's last published state (the buffer is shared).
+
+        Their held rows, in one write; each copy's state then shows them
+        stored. Call it once the workers are done (after the
         collector's ``shutdown()``): a worker still running would publish
         its state again, held rows included.
         """
@@ -317,9 +321,10 @@ class AutoresetFilter(Transform):
         return out if out.batch_size[0] else None
 
     def _check_storage(self) -> None:
-        """Refuses a buffer whose storage has more than one batch dimension: the
-        filter's output is flat rows, which TorchRL cannot write there (it
-        fails after the filter has moved on).
+        """Refuses a buffer whose storage has more than one batch dimension.
+
+        The filter's output is flat rows, which TorchRL cannot write there
+        (it fails after the filter has moved on).
         """
         rb = calling_replay_buffer()
         storage = getattr(rb, "storage", None) if rb is not None else None

@@ -61,7 +61,7 @@ def test_envpool_next_step_loop():
     rb = ReplayBuffer(storage=LazyTensorStorage(10_000), transform=filt)
     obs, _ = env.reset()
     n_reset_rows, terminal = 0, {}
-    for t in range(steps):
+    for _ in range(steps):
         action = np.zeros(n_envs, np.int64)
         next_obs, reward, terminated, truncated, info = env.step(action)
         is_reset = info["elapsed_step"] == 0

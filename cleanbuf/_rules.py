@@ -1,0 +1,64 @@
+"""What the planning kernel is asked to do in a call: the mode as named flags."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+from cleanbuf._options import Options
+
+
+class Rules(NamedTuple):
+    """The kernel's mode flags for one kind of call (see :mod:`cleanbuf._kernels`).
+
+    Attributes:
+        reset_rows: next-step data: a reset row follows each non-joint done row.
+        successor: observation-only data: a row's next observation is the
+            next row's observation.
+        final: same-step data: a done row's next observation is its
+            final-observation entry.
+        stitch: next observations are written (False for compact output).
+        hold_done: a next-step done row waits for its reset row (False when
+            the done row already holds its terminal observation).
+        drop_lost: rows whose next observation is lost are not stored.
+
+    Examples:
+        >>> Rules.of(Options(mode="next_step"), False, "time_last")
+        Rules(reset_rows=True, successor=False, final=False, stitch=True, hold_done=True, drop_lost=False)
+        >>> Rules.of(Options(mode="next_step"), False, "step").hold_done  # raw loops keep it
+        False
+    """  # noqa: E501
+
+    reset_rows: bool
+    successor: bool
+    final: bool
+    stitch: bool
+    hold_done: bool
+    drop_lost: bool
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def of(options: Options, obs_only: bool, layout_kind: str | None) -> Rules:
+        """The flags for calls of ``layout_kind`` rows, observation-only or not."""
+        stitch = not (obs_only and options.compact)
+        same_step = options.mode == "same_step"
+        return Rules(
+            reset_rows=not same_step,
+            successor=obs_only and stitch,
+            final=same_step and stitch,
+            stitch=stitch,
+            hold_done=stitch and (obs_only or not terminal_obs_in_done_row(options, layout_kind)),
+            drop_lost=options.on_lost_terminal_obs == "drop",
+        )
+
+
+def terminal_obs_in_done_row(options: Options, layout_kind: str | None) -> bool:
+    """Whether a done row already holds its terminal observation.
+
+    As configured (``terminal_obs_in_done_row``), else True except for
+    time-last (TorchRL collector) batches, whose done rows TorchRL
+    zero-fills; raw Gymnasium and EnvPool loops keep it.
+    """
+    if options.terminal_obs_in_done_row is not None:
+        return options.terminal_obs_in_done_row
+    return layout_kind != "time_last"
