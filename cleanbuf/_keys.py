@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
+from cleanbuf._compat import tensordict_children
 from cleanbuf._errors import InputError, key_name
 from cleanbuf._move import Views
 
@@ -61,9 +62,10 @@ def _walk(td: TensorDictBase, prefix: tuple, leaves: dict) -> bool:
     It reads the key dicts (a few microseconds instead of ``items()``'s
     tens); False for any other kind of node.
     """
-    if type(td) is not TensorDict:
+    children = tensordict_children(td) if type(td) is TensorDict else None
+    if children is None:
         return False
-    for key, value in td._tensordict.items():
+    for key, value in children.items():
         if isinstance(value, torch.Tensor):
             leaves[(*prefix, key)] = value
         elif not _walk(value, (*prefix, key), leaves):

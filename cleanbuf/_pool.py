@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from cleanbuf._compat import storage_use_count
+
 # Below this many bytes an allocation is cheap (no page faults): no pooling.
 MIN_POOLED_BYTES = 1 << 20
 
 
-def _use_count(t: torch.Tensor) -> int | None:
-    """How many tensors share ``t``'s memory (plus one for the query itself)."""
-    try:
-        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-    except (AttributeError, RuntimeError):  # not in this torch: never reuse
-        return None
+_use_count = storage_use_count  # None where torch cannot tell: never reuse
 
 
 class BufferPool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from cleanbuf._compat import collector_compact_next_keys, gym_wrapper_vector_env
 from cleanbuf._errors import CleanbufError
 from cleanbuf._options import normalize_mode
 
@@ -66,7 +67,7 @@ def _collector_options(collector: Any) -> tuple[dict, str]:
             )
         opts, why = _torchrl_options(env)
         obs_keys = []
-        for k in getattr(collector, "_compact_next_keys", ()):
+        for k in collector_compact_next_keys(collector):
             root = k[1:] if len(k) > 2 else k[1]
             name = root[-1] if isinstance(root, tuple) else root
             if name not in _BOOKKEEPING and root not in obs_keys:
@@ -152,9 +153,16 @@ def _torchrl_options(env: Any) -> tuple[dict, str]:
             opts["reset_group_size"] = n
         return opts, f"{type(inner).__name__} workers: {why}"
     if isinstance(inner, GymWrapper):
-        if not inner._is_batched:
+        try:
+            vec = gym_wrapper_vector_env(inner)
+        except AttributeError as err:
+            raise CleanbufError(
+                "this torchrl version does not show the env a GymWrapper wraps, so its "
+                "auto-reset mode cannot be read; pass mode= explicitly (and "
+                "joint_reset=True for GymEnv(name, num_envs=N))."
+            ) from err
+        if vec is None:
             return {"mode": "disabled"}, "single GymWrapper env (explicit resets)"
-        vec = inner._env
         mode = _gym_mode(vec) if _is_gym_vector(vec) else "same_step"
         if mode != "next_step":
             return (

@@ -1,0 +1,90 @@
+"""The private names cleanbuf leans on, and their public fallbacks (cleanbuf._compat).
+
+The first test fails when a release of torch, tensordict or torchrl drops
+one of them: the compat function then runs its fallback, which the other
+tests check against the private path.
+"""
+
+from __future__ import annotations
+
+import sys
+from unittest import mock
+
+import gymnasium as gym
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.collectors import Collector
+from torchrl.envs import GymEnv, GymWrapper
+
+from cleanbuf import AutoresetFilter, CleanbufError, _compat
+from cleanbuf._oracle import push_left_policy
+
+
+def test_the_private_names_are_there():
+    """Bug caught: a dependency release that renamed or dropped a private
+    name cleanbuf uses (the fallback would run silently, slower or with
+    less information).
+    """
+    assert isinstance(TensorDict({"a": torch.zeros(1)}, [1])._tensordict, dict)
+    assert callable(TensorDict._new_unsafe)
+    assert callable(torch._C._storage_Use_Count)
+    env = GymEnv("CartPole-v1", num_envs=2)
+    assert env._is_batched and isinstance(env._env, gym.vector.VectorEnv)
+    env.close()
+    collector = Collector(
+        GymEnv("CartPole-v1", num_envs=2),
+        push_left_policy,
+        frames_per_batch=4,
+        total_frames=4,
+        compact_obs=True,
+    )
+    assert ("next", "observation") in collector._compact_next_keys
+    collector.shutdown()
+    assert callable(sys._getframe)
+
+
+def test_fallbacks_match_the_private_paths():
+    """Each fallback, with its private name hidden, gives what the private
+    path gives. Bugs caught: a fallback that builds another TensorDict,
+    misreads a batched GymWrapper as a single env, or reuses a buffer it
+    cannot prove free.
+    """
+    td = TensorDict({"a": torch.zeros(2), "b": {"c": torch.ones(2)}}, [2])
+    fast = _compat.new_tensordict(
+        {"a": torch.zeros(2), "b": {"c": torch.ones(2)}}, torch.Size([2]), None
+    )
+    with mock.patch.object(TensorDict, "_new_unsafe", None):
+        slow = _compat.new_tensordict(
+            {"a": torch.zeros(2), "b": {"c": torch.ones(2)}}, torch.Size([2]), None
+        )
+    assert (fast == td).all() and (slow == td).all()
+    assert _compat.tensordict_children(object()) is None
+    with mock.patch.object(torch._C, "_storage_Use_Count", None, create=True):
+        assert _compat.storage_use_count(torch.zeros(3)) is None
+    venv = gym.make_vec(
+        "CartPole-v1",
+        num_envs=2,
+        vectorization_mode="sync",
+        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+    )
+    wrapper = GymWrapper(venv)
+    with mock.patch.object(type(wrapper), "_is_batched", None, create=True):
+        assert _compat.gym_wrapper_vector_env(wrapper) is venv
+    assert _compat.collector_compact_next_keys(object()) == []
+
+
+def test_for_env_without_the_wrapped_env_asks_for_a_mode():
+    """Bug caught: for_env guessing a mode when torchrl no longer shows the
+    env a GymWrapper wraps (the private ``_env`` gone).
+    """
+    env = GymEnv("CartPole-v1", num_envs=2)
+    wrapper = type(env.base_env)
+
+    def gone(self):
+        raise AttributeError("_env")
+
+    with mock.patch.object(wrapper, "_env", property(gone), create=True):
+        with pytest.raises(CleanbufError, match="mode="):
+            AutoresetFilter.for_env(env)
+    env.close()
