@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from cleanbuf._oracle import streams_from_rows
+from tests.oracle import streams_from_rows
 
 # CartPole-v1 ends an episode past these (|x| > 2.4, |theta| > 12 degrees).
 X_LIMIT, THETA_LIMIT = 2.4, 12 * 2 * 3.141592653589793 / 360

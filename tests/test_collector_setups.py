@@ -15,14 +15,14 @@ from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter
-from cleanbuf._oracle import (
+from tests.invariants import check_invariants
+from tests.oracle import (
     compare_streams,
     make_env,
     push_left_policy,
     streams_from_batches,
     streams_from_rows,
 )
-from tests.invariants import check_invariants
 
 E, T, BATCHES = 2, 16, 12
 

@@ -18,7 +18,7 @@ from torchrl.collectors import Collector
 from torchrl.envs import GymEnv, GymWrapper
 
 from cleanbuf import AutoresetFilter, CleanbufError, _compat
-from cleanbuf._oracle import push_left_policy
+from tests.oracle import push_left_policy
 
 
 def test_the_private_names_are_there():

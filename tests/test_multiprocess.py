@@ -18,9 +18,9 @@ from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter, ContinuityError
-from cleanbuf._oracle import compare_streams, streams_from_rows
 from tests.batches import assert_same_rows
 from tests.invariants import check_invariants
+from tests.oracle import compare_streams, streams_from_rows
 from tests.workers import ENVS_PER_WORKER, STREAM, oracle_env, push_left, worker_env
 
 WORKERS, T, BATCHES = 2, 16, 8

@@ -14,8 +14,8 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter
-from cleanbuf._oracle import compare_streams, streams_from_rows
 from tests.loops import ENVS, run_loop, step_rows
+from tests.oracle import compare_streams, streams_from_rows
 
 
 @pytest.mark.parametrize("env_key", list(ENVS))

@@ -15,7 +15,8 @@ from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter
-from cleanbuf._oracle import (
+from tests.loops import ENVS, run_loop, step_rows
+from tests.oracle import (
     collect,
     compare_streams,
     make_env,
@@ -23,7 +24,6 @@ from cleanbuf._oracle import (
     streams_from_batches,
     streams_from_rows,
 )
-from tests.loops import ENVS, run_loop, step_rows
 
 N_ENVS, STEPS = 4, 60
 DISABLED = gym.vector.AutoresetMode.DISABLED

@@ -11,7 +11,7 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter
-from cleanbuf._oracle import (
+from tests.oracle import (
     collect,
     compare_streams,
     make_env,

@@ -24,6 +24,18 @@ from tests.batches import KEYS, grid_td
 from tests.reference import FIELDS, reference_clean, simulate
 
 
+def time_bounds(data, steps):
+    """Random call boundaries in ``steps`` time steps: ``[0, ..., steps]``."""
+    cuts = data.draw(st.sets(st.integers(1, max(steps - 1, 1)), max_size=steps))
+    return [0, *sorted(cuts - {steps}), steps]
+
+
+def cut_in_time(data, td, steps):
+    """A ``[..., steps]`` batch cut into calls at random time boundaries."""
+    bounds = time_bounds(data, steps)
+    return [td[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
 def rows_by_stream(out_tds):
     """Concatenates flat outputs and splits them by the 'stream' key, order kept."""
     out_tds = [o for o in out_tds if o is not None and o.batch_size[0]]
@@ -159,9 +171,7 @@ def test_time_last_random_boundaries(
         zero_fill=not in_done_row,
     )
     td = grid_td(raw, (workers, per_worker))
-    cuts = sorted(data.draw(st.sets(st.integers(1, max(steps - 1, 1)), max_size=steps)) - {steps})
-    bounds = [0, *cuts, steps]
-    calls = [td[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    calls = cut_in_time(data, td, steps)
     restore_at = data.draw(st.integers(0, len(calls)))
     filt = AutoresetFilter(
         "next_step",
@@ -263,9 +273,7 @@ def test_modes_random_boundaries(seed, n, steps, variant, joint, data):
     raw, truth = simulate(rng, n, steps, mode=mode, group=n if joint else None, final_missing=0.2)
     truth = adjust_truth(raw, truth, mode=mode, obs_only=obs_only, compact=compact)
     td = grid_td(raw, (n,), final=mode == "same_step", obs_only=obs_only)
-    cuts = sorted(data.draw(st.sets(st.integers(1, max(steps - 1, 1)), max_size=steps)) - {steps})
-    bounds = [0, *cuts, steps]
-    calls = [td[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    calls = cut_in_time(data, td, steps)
     filt = AutoresetFilter(
         mode,
         joint_reset=joint,
@@ -396,9 +404,7 @@ def test_numpy_and_torch_paths_agree(seed, n, steps, variant, joint, wide, data)
         for k in list(td.keys(True, True)):
             if (k if isinstance(k, str) else k[-1]) in ("observation", "final_obs"):
                 td.set(k, td.get(k) + torch.arange(width, dtype=torch.float32))
-    cuts = sorted(data.draw(st.sets(st.integers(1, max(steps - 1, 1)), max_size=steps)) - {steps})
-    bounds = [0, *cuts, steps]
-    calls = [td[..., a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    calls = cut_in_time(data, td, steps)
 
     def run():
         filt = AutoresetFilter(

@@ -2,22 +2,15 @@
 
 Cleaned data must equal, row for row within each stream, what the same
 environment produces under Gymnasium ``AutoresetMode.DISABLED`` with explicit
-resets, same seeds, same deterministic policy (DESIGN.md, "The definition of
-clean"). The demo and the tests use these helpers. Needs the ``gym`` extra.
+resets, same seeds, same deterministic policy.
 """
 
 from __future__ import annotations
 
 import functools
 
+import gymnasium as gym
 import torch
-
-try:
-    import gymnasium as gym
-except ImportError as err:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "cleanbuf's oracle and demo need gymnasium: pip install 'cleanbuf[gym]'"
-    ) from err
 from torchrl.collectors import Collector
 from torchrl.envs import Compose, GymEnv, GymWrapper, InitTracker, StepCounter, TransformedEnv
 

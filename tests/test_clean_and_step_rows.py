@@ -1,0 +1,95 @@
+"""cleanbuf.clean on data outside a buffer, and step_rows for raw loops."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from cleanbuf import AutoresetFilter, clean
+from tests.batches import next_step_batch
+
+
+def test_clean_returns_the_kind_it_got():
+    """clean() on a TensorDict, a dict of numpy arrays and a dict of tensors.
+    Bugs caught: held rows not flushed at the end, numpy input returned as
+    tensors, results differing between the three kinds.
+    """
+    batch = next_step_batch(2, 24, 3)
+    out_td = clean(batch)
+    assert isinstance(out_td, TensorDict)
+    assert out_td.batch_size[0] == batch.numel() - int((batch["next", "reward"] == 0).sum())
+    as_np = {k: v.numpy() for k, v in batch.flatten_keys("|").items()}
+    nested = {}
+    for k, v in as_np.items():
+        *head, last = k.split("|")
+        node = nested
+        for h in head:
+            node = node.setdefault(h, {})
+        node[last] = v
+    out_np = clean(nested)
+    assert isinstance(out_np["next"]["observation"], np.ndarray)
+    np.testing.assert_array_equal(
+        out_np["next"]["observation"], out_td["next", "observation"].numpy()
+    )
+    tuple_keys = {
+        ("next", "done"): batch["next", "done"],
+        ("next", "observation"): batch["next", "observation"],
+        "observation": batch["observation"],
+        ("next", "reward"): batch["next", "reward"],
+    }
+    out_t = clean(tuple_keys)
+    assert isinstance(out_t["next"]["observation"], torch.Tensor)
+    torch.testing.assert_close(
+        out_t["next"]["observation"], out_td["next", "observation"], rtol=0, atol=0, equal_nan=True
+    )
+
+
+def test_step_rows_reads_gymnasium_and_sb3_infos_with_dict_observations():
+    """step_rows with Dict observations. Bugs caught: the terminal observation
+    of the wrong env stored, a nested final entry not built like the
+    observation, the SB3 truncation flag not moved out of terminated.
+    """
+    from cleanbuf import step_rows
+
+    obs = {"pos": np.zeros((3, 2), np.float32), "cam": np.zeros((3, 4), np.uint8)}
+    next_obs = {"pos": np.full((3, 2), 5, np.float32), "cam": np.full((3, 4), 5, np.uint8)}
+    final = np.array(
+        [None, {"pos": np.full(2, 9, np.float32), "cam": np.full(4, 9, np.uint8)}, None],
+        dtype=object,
+    )
+    info = {"final_obs": final, "_final_obs": np.array([False, True, False])}
+    rows = step_rows(
+        obs,
+        np.zeros(3),
+        next_obs,
+        np.ones(3),
+        np.array([False, True, False]),
+        np.zeros(3, bool),
+        info,
+    )
+    assert rows["next", "_final_obs"].reshape(-1).tolist() == [False, True, False]
+    assert rows["next", "final_obs", "pos"][1].tolist() == [9.0, 9.0]
+    assert rows["next", "final_obs", "cam"][1].tolist() == [9, 9, 9, 9]
+    assert rows["next", "final_obs", "pos"][0].tolist() == [0.0, 0.0]
+    out = AutoresetFilter("same_step", layout="step").inv(rows)
+    pos = out["next", "observation", "pos"]
+    assert pos[1].tolist() == [9.0, 9.0] and pos[0].tolist() == [5.0, 5.0]
+    assert out["next", "observation", "cam"][1].tolist() == [9, 9, 9, 9]
+    sb3_infos = [
+        {},
+        {
+            "terminal_observation": {
+                "pos": np.full(2, 7, np.float32),
+                "cam": np.full(4, 7, np.uint8),
+            },
+            "TimeLimit.truncated": True,
+        },
+        {},
+    ]
+    rows = step_rows(
+        obs, np.zeros(3), next_obs, np.ones(3), np.array([False, True, False]), None, sb3_infos
+    )
+    assert rows["next", "truncated"].reshape(-1).tolist() == [False, True, False]
+    assert not rows["next", "terminated"].any() and rows["next", "done"].reshape(-1)[1]
+    assert rows["next", "final_obs", "cam"][1].tolist() == [7, 7, 7, 7]
