@@ -68,24 +68,8 @@ NO_ROWS.flags.writeable = False
 
 
 @njit(cache=True, nogil=True)
-def plan(
-    n,
-    steps,
-    stream,
-    done,
-    joint,
-    final_ok,
-    final_default,
-    reward,
-    restart,
-    mark,
-    carry,
-    reset_rows,
-    successor,
-    final,
-    stitch,
-    hold_done,
-):
+def plan(n, steps, stream, done, joint, final_ok, final_default, reward, restart, mark, carry,
+         reset_rows, successor, final, stitch, hold_done):  # fmt: skip
     """Plans one call from flags and the carry state, in one pass over the rows.
 
     It reads one flag byte per row (plus the reward where the reset-row check
@@ -387,25 +371,8 @@ def select_rows(code, next_src, drop_lost):
 
 
 @njit(cache=True, nogil=True)
-def plan_rows(
-    n,
-    steps,
-    stream,
-    done,
-    joint,
-    final_ok,
-    final_default,
-    reward,
-    restart,
-    mark,
-    carry,
-    reset_rows,
-    successor,
-    final,
-    stitch,
-    hold_done,
-    drop_lost,
-):
+def plan_rows(n, steps, stream, done, joint, final_ok, final_default, reward, restart, mark,
+              carry, reset_rows, successor, final, stitch, hold_done, drop_lost):  # fmt: skip
     """:func:`plan`, then :func:`select_rows`, in one call from Python.
 
     The arguments are those of the two (``drop_lost`` is that of
@@ -419,23 +386,9 @@ def plan_rows(
         selection is empty.
     """
     code, next_src, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row = plan(
-        n,
-        steps,
-        stream,
-        done,
-        joint,
-        final_ok,
-        final_default,
-        reward,
-        restart,
-        mark,
-        carry,
-        reset_rows,
-        successor,
-        final,
-        stitch,
-        hold_done,
-    )
+        n, steps, stream, done, joint, final_ok, final_default, reward, restart, mark, carry,
+        reset_rows, successor, final, stitch, hold_done,
+    )  # fmt: skip
     if bad_row >= 0:
         code = code[:0]
     selection = select_rows(code, next_src, drop_lost)

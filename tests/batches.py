@@ -71,10 +71,10 @@ def same_step_batch(n_streams=2, steps=12, seed=0, final=True, **kwargs):
     return grid_td(raw, (n_streams,), final=final)
 
 
-def assert_same_rows(got, want):
+def assert_same_rows(got, want, where=""):
     """Asserts two TensorDicts hold the same keys and rows, NaN equal to NaN."""
-    assert got.batch_size == want.batch_size, (got.batch_size, want.batch_size)
-    assert set(got.keys(True, True)) == set(want.keys(True, True))
+    assert got.batch_size == want.batch_size, (where, got.batch_size, want.batch_size)
+    assert set(got.keys(True, True)) == set(want.keys(True, True)), f"{where}: keys differ"
     for key in want.keys(True, True):
         torch.testing.assert_close(
             got[key],
@@ -82,5 +82,5 @@ def assert_same_rows(got, want):
             rtol=0,
             atol=0,
             equal_nan=True,
-            msg=lambda m, key=key: f"key {key}: {m}",
+            msg=lambda m, key=key: f"{where} key {key}: {m}",
         )

@@ -63,6 +63,20 @@ def _by_first_obs(streams):
     }
 
 
+def _filled_by_workers(cls):
+    """A filtered buffer given to a ``cls`` collector, which the workers fill."""
+    filt = _worker_filter()
+    rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
+    with _collector(cls, worker_env, replay_buffer=rb) as collector:
+        for _ in collector:
+            pass
+    return filt, rb
+
+
+def _worker_filter():
+    return AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
+
+
 def _check(filt, rb, oracle):
     """The buffer against the oracle, stream by stream, and the summed stats."""
     stats = filt.stats
@@ -86,11 +100,7 @@ def test_workers_extend_the_buffer(cls, oracle):
     TorchRL's all-zero storage-initialisation batch counted or kept as
     state, a copy's rows cleaned against another copy's streams.
     """
-    filt = AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
-    rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
-    with _collector(cls, worker_env, replay_buffer=rb) as collector:
-        for _ in collector:
-            pass
+    filt, rb = _filled_by_workers(cls)
     before = filt.stats
     assert before["rows_in"] > 0, "the copies' counts are not seen from the parent"
     filt.flush(rb)
@@ -139,7 +149,7 @@ def test_multi_async_with_one_workers_filter_is_refused():
     caught: another worker's batch glued onto the streams (the continuity
     check must refuse it before anything is written).
     """
-    filt = AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
+    filt = _worker_filter()
     rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
     with _collector(MultiAsyncCollector, worker_env, frames=FRAMES // WORKERS) as collector:
         with pytest.raises(ContinuityError, match="another producer"):
@@ -156,7 +166,7 @@ def test_a_worker_killed_mid_run():
     stats identity broken. At most one batch the dead worker's filter had
     handed over may miss the buffer (killed between the two).
     """
-    filt = AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
+    filt = _worker_filter()
     rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
     with pytest.raises(RuntimeError, match="process"):
         with _collector(MultiSyncCollector, worker_env, replay_buffer=rb) as collector:
@@ -170,10 +180,6 @@ def test_a_worker_killed_mid_run():
         stats["rows_out"] + stats["reset_rows_dropped"] + stats["lost_rows_dropped"]
     )
     check_invariants(rb[: len(rb)], stats, len(rb), unstored=FRAMES // WORKERS)
-
-
-def _worker_filter():
-    return AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
 
 
 def _reload(rb, make_filter=_worker_filter):
@@ -195,11 +201,7 @@ def test_checkpoint_of_the_workers_copies():
     (their held rows lost, the stats of the workers' rows gone), a copy's
     state restored twice (its held rows stored twice).
     """
-    filt = AutoresetFilter.for_env(worker_env(), observation_keys=OBS)
-    rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
-    with _collector(MultiSyncCollector, worker_env, replay_buffer=rb) as collector:
-        for _ in collector:
-            pass
+    filt, rb = _filled_by_workers(MultiSyncCollector)
     stats = filt.stats
     filt2, rb2 = _reload(rb)
     assert filt2.stats == stats and stats["rows_held"] > 0

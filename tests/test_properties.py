@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cleanbuf import AutoresetFilter, _move, _patch
-from tests.batches import KEYS, grid_td
+from tests.batches import KEYS, assert_same_rows, grid_td
 from tests.reference import FIELDS, reference_clean, simulate
 
 
@@ -423,13 +423,4 @@ def test_numpy_and_torch_paths_agree(seed, n, steps, variant, joint, wide, data)
         if a is None or b is None:
             assert a is None and b is None, f"call {i}: one path stored rows, the other none"
             continue
-        assert set(a.keys(True, True)) == set(b.keys(True, True)), f"call {i}: keys differ"
-        for k in a.keys(True, True):
-            torch.testing.assert_close(
-                a[k],
-                b[k],
-                rtol=0,
-                atol=0,
-                equal_nan=True,
-                msg=lambda m, k=k, i=i: f"call {i}, key {k}: {m}",
-            )
+        assert_same_rows(a, b, f"call {i}:")
