@@ -59,8 +59,8 @@ def batch_leaves(td: TensorDictBase) -> dict:
 def _walk(td: TensorDictBase, prefix: tuple, leaves: dict) -> bool:
     """Collects the tensor leaves of a plain ``TensorDict`` tree; False otherwise.
 
-    It reads the key dicts (a few microseconds instead of ``items()``'s
-    tens); False for any other kind of node.
+    It reads the key dicts (much cheaper than ``items()``); False for any
+    other kind of node.
     """
     children = tensordict_children(td) if type(td) is TensorDict else None
     if children is None:

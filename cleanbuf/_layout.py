@@ -1,8 +1,7 @@
 """Layouts: how the rows of one call map to streams.
 
 A layout turns a batch into flat rows (C order over the batch dimensions) and
-gives each row a dense stream index. Three layouts exist (DESIGN.md, "Layouts
-and stream identity"):
+gives each row a dense stream index. Three layouts exist:
 
 * ``time_last``: batch ``[*E, T]``; each index of ``*E`` is a stream, stable
   across calls. A 1-D batch named ``["time"]``, or of length one (what

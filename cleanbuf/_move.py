@@ -1,18 +1,12 @@
 """Moves rows of tensors: one gather per leaf, on the leaf's device.
 
-Rows move with ``torch.index_select`` into a preallocated output. It was
-measured against numba run copiers on byte views (``bench`` history in the
-closing note of the core issue): numba's slice copies checked for overlap
-and ran at about 3.7 GB/s on Atari-like rows, ``index_select`` at about
-25 GB/s, and about 4 us against 19 us per MuJoCo-like leaf. Rows of at most
+Rows move with ``torch.index_select`` into a preallocated output (faster
+than the numba copiers it was measured against). Rows of at most
 ``SMALL_ROW_BYTES`` on the CPU (flags, rewards, step counts, MuJoCo-like
 observations and actions) move with numpy's ``take`` instead: for them
-torch's dispatch costs more than the copy. Taking 1002 of 1024 rows, ``take``
-against ``index_select``: 2.5 us against 3.5 us for 4- and 16-byte rows,
-3.7 us against 4.0 us for 68-byte rows, even at 256 bytes, and behind from
-512 bytes on. Inside the write path, 128 against 16 took the MuJoCo-like
-filter from 1.29x to 1.27x of a plain extend. Only the flags ever visit the
-CPU; on a CUDA device the rows never leave it.
+torch's dispatch costs more than the copy. The measurements behind both
+choices are in ``bench/README.md`` ("Design measurements"). Only the flags
+ever visit the CPU; on a CUDA device the rows never leave it.
 """
 
 from __future__ import annotations

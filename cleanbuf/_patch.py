@@ -17,13 +17,9 @@ from cleanbuf._kernels import RELEASED_LOST
 from cleanbuf._move import SMALL_ROW_BYTES, RowIndex, Views, gather, index_tensor
 from cleanbuf._pool import MIN_POOLED_BYTES, BufferPool
 
-# From this many bytes a row, ``set_rows`` copies row by row. That is at
-# least as fast as one fancy-index assignment there (9 us against 11 us for
-# 21 rows of 16 KiB, 63 us against 66 us for 100; 15 us against 21 us for
-# 21 Atari-like rows of 28 KiB; below 16 KiB the assignment is faster), and
-# it needs no temporary of all the rows (about 0.6 MB a call for an
-# Atari-like [8, 128] batch at 2% reset rows, which the memory benchmark
-# sees at its peak).
+# From this many bytes a row, ``set_rows`` copies row by row: no slower
+# than one fancy-index assignment there, and it needs no temporary of all
+# the rows, which the memory benchmark sees at its peak (bench/README.md).
 ROW_LOOP_BYTES = 16 * 1024
 
 
@@ -215,9 +211,8 @@ def as_td(leaves: dict, n_rows: int, device=None) -> TensorDictBase:
     leaves' common device when ``device`` is None), even when the batch
     came without one, as TorchRL's collectors yield it. A storage compares
     that device with its own and, when they differ, runs ``to()`` over every
-    leaf first: with ``device=None`` that costs a plain ``extend`` of a
-    MuJoCo-like ``[8, 128]`` batch about a third of its time (178 us against
-    114 us). Leaves on different devices keep ``device=None``.
+    leaf first, a third of a plain MuJoCo-like ``extend`` when measured.
+    Leaves on different devices keep ``device=None``.
 
     Args:
         leaves: tuple key -> tensor of ``n_rows`` rows.

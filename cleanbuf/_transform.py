@@ -338,7 +338,7 @@ class AutoresetFilter(Transform):
                 "with traj_key=('collector', 'traj_ids') samples sequences from them. "
                 "Nothing was written."
             )
-        self._storage_checked = True  # once: a frame walk costs tens of microseconds
+        self._storage_checked = True  # once per process: a frame walk is not free
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         return tensordict

@@ -1,12 +1,13 @@
 """A readable, row-by-row reference cleaner, and a generator of synthetic streams.
 
-The reference implements DESIGN.md's rules one stream at a time, with no
-batching, no arrays and no cleverness: it is what the kernels are checked
+The reference implements the cleaning rules (README, "How it works"; the
+rules of each mode in ``AutoresetFilter``'s docstring) one stream at a
+time, with no batching, no arrays and no cleverness: it is what the kernels are checked
 against. The generator simulates next-step producers (plain, or with
 TorchRL's joint reset) and same-step producers, and also returns the ground
 truth, the stream an explicit-reset run would have produced.
 
-Observations encode their position (DESIGN.md, "Style"): the observation of
+Observations encode their position: the observation of
 stream e at step t is ``1000 * e + t``, a terminal observation is
 ``100_000 + 1000 * e + t``, so a wrong stitch shows in the number itself.
 """
