@@ -89,6 +89,23 @@ class AutoresetFilter(Transform):
     done rows are not stored (a next-step reset row that is dropped took its
     terminal observation with it).
 
+    **Streams across calls.** Each call must continue the streams of the
+    calls before it: a stream's first row in a call has, as its observation,
+    the stored next observation of its last row in the previous call, unless
+    that row ended an episode or the new row restarts the stream
+    (``is_init``, or ``step_count`` 0: a collector reset between batches,
+    which ends the interrupted episode there). Another producer's batch, a
+    skipped batch or an unnoticed reset raises
+    :class:`~cleanbuf.ContinuityError`. A batch written again right after its
+    write failed is taken as a retry: its rows (and the held rows its call
+    released) are delivered again.
+
+    **Many processes.** Given to a multi-process TorchRL collector
+    (``replay_buffer=rb``), the buffer and this filter are pickled into each
+    worker; TorchRL calls :meth:`share_memory_` first, and from then on every
+    copy publishes its state, so that :attr:`stats` and :meth:`flush` in the
+    parent cover them all.
+
     **Honest failure modes.** A supposed reset row with a nonzero reward or
     a done flag raises :class:`~cleanbuf.ResetRowError` (wrong mode or
     flavour, or a reward transform that moves 0: ``check_reset_rows=False``).
@@ -133,6 +150,15 @@ class AutoresetFilter(Transform):
             looks for the common names.
         keep_final_obs: same-step mode: store the final-observation entry too.
         compact: observation-only data: keep it observation-only (see above).
+        set_truncated: the rows come from ``Collector(set_truncated=True)``:
+            a done row on a call's last step that is only truncated is held
+            until the next row of its stream says whether it ended an
+            episode (a restart) or was a batch-end mark (kept as stored).
+        check_continuity: check that each call continues the streams of the
+            calls before it (see above).
+        producer_key: batches come from several producers in turn (a
+            ``MultiAsyncCollector`` extended from the parent); this key's
+            trajectory ids tell which producer's streams a batch continues.
 
     Examples:
         >>> import torch
@@ -171,7 +197,10 @@ class AutoresetFilter(Transform):
         ``GymWrapper`` (also inside ``TransformedEnv``, and ``ParallelEnv`` /
         ``SerialEnv`` of them, where each worker is its own reset group), a
         TorchRL collector (``compact_obs=True`` makes the data
-        observation-only), a Gymnasium ``VectorEnv``, a Stable-Baselines3
+        observation-only, ``set_truncated=True`` adds batch-end marks), a
+        ``MultiSyncCollector`` or ``MultiAsyncCollector`` (each worker its
+        own reset group; an async collector's batches told apart by
+        trajectory ids), a Gymnasium ``VectorEnv``, a Stable-Baselines3
         ``VecEnv`` or an EnvPool env.
 
         Args:
