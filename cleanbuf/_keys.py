@@ -11,6 +11,9 @@ from cleanbuf._errors import InputError, key_name
 from cleanbuf._move import Views
 
 NEXT = "next"
+# TorchRL's trajectory ids: one id per trajectory, from one pool shared by
+# every worker of a multi-process collector, never reused.
+TRAJ_IDS = ("collector", "traj_ids")
 DONE_KEYS = (("next", "done"), ("next", "terminated"), ("next", "truncated"))
 # Keys that live at the root and under "next" but are not observations.
 NOT_OBSERVATIONS = {"done", "terminated", "truncated", "reward", "is_init", "step_count"}

@@ -7,6 +7,7 @@ from typing import Any
 
 from cleanbuf._compat import collector_compact_next_keys, gym_wrapper_vector_env
 from cleanbuf._errors import CleanbufError
+from cleanbuf._keys import TRAJ_IDS
 from cleanbuf._options import normalize_mode
 
 
@@ -41,9 +42,6 @@ def _is_sb3_vec_env(env: Any) -> bool:
     )
 
 
-# TorchRL's trajectory ids: one id per trajectory, from one pool shared by
-# every worker of a multi-process collector.
-TRAJ_IDS = ("collector", "traj_ids")
 _BOOKKEEPING = {"is_init", "step_count"}
 
 

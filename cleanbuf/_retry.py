@@ -24,9 +24,8 @@ import dataclasses
 import numpy as np
 
 from cleanbuf._continuity import CallEnds, same_bytes, same_rows, take_rows
+from cleanbuf._keys import TRAJ_IDS
 from cleanbuf._move import Views
-
-TRAJ_IDS = ("collector", "traj_ids")
 
 
 class SameBatchAgain(Exception):

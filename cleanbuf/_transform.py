@@ -13,8 +13,8 @@ from cleanbuf._cleaner import STAT_NAMES, Cleaner
 from cleanbuf._compat import calling_replay_buffer
 from cleanbuf._copies import CopyStates, new_copy_name
 from cleanbuf._errors import LayoutError
+from cleanbuf._keys import TRAJ_IDS
 from cleanbuf._options import Options
-from cleanbuf._producers import TRAJ_IDS
 
 
 def _is_storage_init(td: TensorDictBase) -> bool:
