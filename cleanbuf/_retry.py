@@ -11,10 +11,10 @@ it first.
 The batch is recognised by the first row of each stream: its trajectory id
 where the rows have TorchRL's ``("collector", "traj_ids")`` (an id is never
 reused, so that is exact, and checked on every call); else its observation,
-checked only when the call fails (a repeated batch does not follow the
-streams: the continuity check or the reset-row check refuses it, unless
-every stream ended or restarted right at its start, which a raw loop's
-repeat is left to).
+checked only when the call fails. A repeated batch does not follow the
+streams, so the continuity check or the reset-row check refuses it, unless
+every stream ended or restarted right at its start: such a repeat, without
+trajectory ids, is not recognised.
 """
 
 from __future__ import annotations
@@ -93,4 +93,5 @@ class Undo:
         return fingerprint is not None and fingerprint.same(self.fingerprint)
 
     def restore(self, cleaner) -> None:
+        """Puts ``cleaner`` back as it was when snapshotted."""
         cleaner._carry, cleaner._groups, cleaner._stats = self.carry, self.groups, self.stats
