@@ -17,7 +17,7 @@ import torch
 from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-from cleanbuf import AutoresetFilter, ContinuityError
+from cleanbuf import AutoresetFilter, CleanbufError, ContinuityError
 from tests.batches import assert_same_rows
 from tests.invariants import check_invariants
 from tests.oracle import compare_streams, streams_from_rows
@@ -246,3 +246,14 @@ def test_multi_async_resumed_mid_run_equals_uninterrupted():
     assert want_stats["reset_rows_dropped"] > 0
     assert got_stats == want_stats
     assert_same_rows(got, want)
+
+
+def test_multi_async_reset_at_each_iter_from_the_parent_is_refused():
+    """Bug caught: for_env configuring a parent-side MultiAsyncCollector that
+    restarts every worker at every batch, whose batches no trajectory id
+    ties to their worker (the carries of restarted workers would pile up).
+    """
+    with _collector(MultiAsyncCollector, worker_env, frames=FRAMES // WORKERS,
+                    reset_at_each_iter=True) as collector:  # fmt: skip
+        with pytest.raises(CleanbufError, match="replay_buffer=rb"):
+            AutoresetFilter.for_env(collector)
