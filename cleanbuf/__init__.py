@@ -13,6 +13,7 @@ The public API:
 from cleanbuf._clean import clean
 from cleanbuf._errors import (
     CleanbufError,
+    CleanbufWarning,
     ContinuityError,
     InputError,
     LayoutError,
@@ -25,6 +26,7 @@ from cleanbuf._transform import AutoresetFilter
 __all__ = [
     "AutoresetFilter",
     "CleanbufError",
+    "CleanbufWarning",
     "ContinuityError",
     "InputError",
     "LayoutError",

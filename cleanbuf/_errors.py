@@ -40,3 +40,10 @@ class TerminalObservationLostError(CleanbufError):
 
 class ContinuityError(CleanbufError):
     """A call's rows do not continue the streams of the calls before it."""
+
+
+class CleanbufWarning(UserWarning):
+    """A warning from cleanbuf.
+
+    Filterable: ``warnings.simplefilter("ignore", cleanbuf.CleanbufWarning)``.
+    """

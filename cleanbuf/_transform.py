@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from torchrl.envs.transforms import Transform
 from cleanbuf._cleaner import STAT_NAMES, Cleaner
 from cleanbuf._compat import calling_replay_buffer
 from cleanbuf._copies import CopyStates, new_copy_name
-from cleanbuf._errors import LayoutError
+from cleanbuf._errors import CleanbufWarning, LayoutError
 from cleanbuf._keys import TRAJ_IDS
 from cleanbuf._options import Options
 
@@ -188,6 +189,7 @@ class AutoresetFilter(Transform):
         self._copies: CopyStates | None = None  # set once the buffer is shared
         self._copy: tuple | None = None  # (pid, name) of this copy, once it published
         self._storage_checked = False  # the buffer's storage takes flat rows (checked once)
+        self._warned_nan = False  # a NaN next observation was written by default (warned once)
 
     @classmethod
     def for_env(cls, env: Any, **overrides: Any) -> AutoresetFilter:
@@ -342,12 +344,40 @@ class AutoresetFilter(Transform):
             # TorchRL empties the buffer right after: nothing is counted or kept.
             out = Cleaner(self.options)(tensordict)
         else:
+            lost = self._cleaner.stats["terminal_obs_missing"]
             out = self._cleaner(tensordict)
+            self._warn_lost(self._cleaner.stats["terminal_obs_missing"] - lost)
             if self._copies is not None:
                 self._publish()
         # ReplayBuffer.extend / add store nothing for None (their writers
         # reject an empty batch).
         return out if out.batch_size[0] else None
+
+    def _warn_lost(self, n_lost: int) -> None:
+        """Warns once per filter when a call marks lost terminal observations NaN.
+
+        Only by default: a user who chose ``on_lost_terminal_obs`` knows. The
+        rows a flush marks (their reset row never came) are counted, not
+        warned about: every run ends with some.
+        """
+        if not n_lost or self._warned_nan or self.options.on_lost_terminal_obs is not None:
+            return
+        if self.options.mode != "next_step":
+            return  # same-step data raises instead of marking by default
+        self._warned_nan = True
+        warnings.warn(
+            CleanbufWarning(
+                f"{n_lost} terminal observation(s) were lost before the filter saw them "
+                "(TorchRL resets all envs of a GymEnv(num_envs=N) together when they end on "
+                "the same step, as fixed-horizon tasks always do) and are stored as NaN next "
+                "observations, which turn a TD target NaN even under a done mask. Use a "
+                "lossless producer (TorchRL GymWrapper over gymnasium.make_vec(..., "
+                "vector_kwargs={'autoreset_mode': AutoresetMode.SAME_STEP or DISABLED})), or "
+                "on_lost_terminal_obs='drop' to store no such row. This warning is shown "
+                "once per filter."
+            ),
+            stacklevel=4,
+        )
 
     def _check_storage(self) -> None:
         """Refuses a buffer whose storage has more than one batch dimension.

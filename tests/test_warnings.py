@@ -1,0 +1,73 @@
+"""Never a silent NaN: the filter warns when it marks lost terminal observations."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+from cleanbuf import AutoresetFilter, CleanbufWarning
+from tests.batches import next_step_batch
+from tests.oracle import collect, make_env
+
+
+def _joint_batches():
+    """Two next-step calls, each with a joint reset (two streams, one reset group)."""
+    for seed in range(100):
+        batch = next_step_batch(2, 40, seed, group=2)
+        done = batch["next", "done"].squeeze(-1)
+        joint = done.all(0)
+        if joint[:19].any() and joint[20:39].any():  # a joint reset in each half
+            return batch[:, :20], batch[:, 20:]
+    raise AssertionError("no seed with a joint reset in each half")
+
+
+def test_lost_terminal_observations_warn_once():
+    """Bugs caught: NaN next observations written without a word (a user
+    reads no stats before training diverges), a warning on every call
+    (noise that gets filtered away), a warning without the count or
+    without both ways out.
+    """
+    filt = AutoresetFilter("next_step", joint_reset=True)
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+    first, second = _joint_batches()
+    with pytest.warns(CleanbufWarning) as record:
+        rb.extend(first)
+        rb.extend(second)
+    lost = [r for r in record if issubclass(r.category, CleanbufWarning)]
+    assert len(lost) == 1
+    message = str(lost[0].message)
+    assert filt.stats["terminal_obs_missing"] >= 2
+    assert message.split()[0].isdigit() and int(message.split()[0]) >= 1
+    for fragment in ("SAME_STEP or DISABLED", "on_lost_terminal_obs='drop'", "NaN"):
+        assert fragment in message
+
+
+def test_no_warning_when_a_policy_is_chosen():
+    """Bug caught: warning users who chose how lost observations are stored."""
+    filt = AutoresetFilter("next_step", joint_reset=True, on_lost_terminal_obs="nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CleanbufWarning)
+        for batch in _joint_batches():
+            filt.inv(batch)
+    assert filt.stats["terminal_obs_missing"] >= 2
+
+
+@pytest.mark.parametrize("disabled", [False, True], ids=["GymEnv(num_envs=4)", "DISABLED"])
+def test_no_warning_without_losses(disabled):
+    """A CartPole GymEnv(num_envs=4) run short enough that the four envs never
+    end on the same step, and the explicit-reset producer. Bug caught: a
+    warning (or NaN) where no terminal observation was lost.
+    """
+    env = make_env("CartPole-v1", 4, disabled=disabled)
+    filt = AutoresetFilter.for_env(env)
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000), transform=filt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CleanbufWarning)
+        for batch in collect(env, 4 * 8, 4 * 8 * 4):
+            rb.extend(batch)
+    env.close()
+    assert filt.stats["terminal_obs_missing"] == 0
+    if not disabled:
+        assert filt.stats["reset_rows_dropped"] > 0  # episodes did end
