@@ -144,6 +144,10 @@ class Cleaner:
         """A copy of the counters (see ``STAT_NAMES``), as plain Python ints."""
         return {k: int(v) for k, v in self._stats.items()}
 
+    def count(self, name: str) -> int:
+        """One counter (see ``STAT_NAMES``), without copying them all."""
+        return self._stats[name]
+
     # ------------------------------------------------------------ a call
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         """Cleans one call's batch; returns the rows to store, flat ``[M]``.

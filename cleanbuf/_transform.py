@@ -344,26 +344,39 @@ class AutoresetFilter(Transform):
             # TorchRL empties the buffer right after: nothing is counted or kept.
             out = Cleaner(self.options)(tensordict)
         else:
-            lost = self._cleaner.stats["terminal_obs_missing"]
+            watch = self._watch_nan()
+            lost = self._cleaner.count("terminal_obs_missing") if watch else 0
             out = self._cleaner(tensordict)
-            self._warn_lost(self._cleaner.stats["terminal_obs_missing"] - lost)
+            if watch:
+                self._warn_lost(self._cleaner.count("terminal_obs_missing") - lost)
             if self._copies is not None:
                 self._publish()
         # ReplayBuffer.extend / add store nothing for None (their writers
         # reject an empty batch).
         return out if out.batch_size[0] else None
 
+    def _watch_nan(self) -> bool:
+        """Whether a call may still owe the NaN warning of :meth:`_warn_lost`.
+
+        Only until it has warned, and only by default: a user who chose
+        ``on_lost_terminal_obs`` knows, and same-step data raises instead of
+        marking by default.
+        """
+        opts = self.options
+        return (
+            not self._warned_nan
+            and opts.on_lost_terminal_obs is None
+            and (opts.mode == "next_step")
+        )
+
     def _warn_lost(self, n_lost: int) -> None:
         """Warns once per filter when a call marks lost terminal observations NaN.
 
-        Only by default: a user who chose ``on_lost_terminal_obs`` knows. The
-        rows a flush marks (their reset row never came) are counted, not
+        The rows a flush marks (their reset row never came) are counted, not
         warned about: every run ends with some.
         """
-        if not n_lost or self._warned_nan or self.options.on_lost_terminal_obs is not None:
+        if not n_lost:
             return
-        if self.options.mode != "next_step":
-            return  # same-step data raises instead of marking by default
         self._warned_nan = True
         warnings.warn(
             CleanbufWarning(
