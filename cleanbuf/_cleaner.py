@@ -190,7 +190,8 @@ class Cleaner:
         if key is None:
             return self._clean(td)
         first, last = trajectory_ends(td, key)
-        if self._undo is not None and Fingerprint(True, {key: first}).same(self._undo.fingerprint):
+        fingerprint = self._undo.fingerprint if self._undo is not None else None
+        if fingerprint is not None and fingerprint.starts(td):
             raise SameBatchAgain
         group = producer_of(self._groups, first)
         self._carry = self._groups[group] if group < len(self._groups) else Carry()

@@ -8,13 +8,19 @@ batch again gets those rows again: the cleaner keeps what it was before its
 last call, and when a call brings that call's batch again it goes back to
 it first.
 
-The batch is recognised by the first row of each stream: its trajectory id
-where the rows have TorchRL's ``("collector", "traj_ids")`` (an id is never
-reused, so that is exact, and checked on every call); else its observation,
-checked only when the call fails. A repeated batch does not follow the
-streams, so the continuity check or the reset-row check refuses it, unless
-every stream ended or restarted right at its start: such a repeat, without
-trajectory ids, is not recognised.
+The batch is recognised by the first row of each stream: its observation,
+and its trajectory id where the rows have TorchRL's
+``("collector", "traj_ids")``. With trajectory ids it is checked on every
+call. An id alone is not enough: a stream keeps its id for a whole episode,
+so two batches in a row start with the same ids whenever no episode ended
+between their starts (every batch of a 200-step Pendulum episode
+collected 8 steps at a time). The observation tells them apart: the next
+batch starts where the last one ended. Only an env whose observation did
+not change over a whole batch, in every stream, looks the same. Without
+trajectory ids the fingerprint is checked only when the call fails: a
+repeated batch does not follow the streams, so the continuity check or the
+reset-row check refuses it, unless every stream ended or restarted right at
+its start; such a repeat is not recognised.
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ class Fingerprint:
     """The first row of each stream of a time-aligned call.
 
     Attributes:
-        exact: the rows are trajectory ids (exact), not observations.
-        rows: key -> rows ``[S, ...]`` (copies).
+        exact: the rows include trajectory ids (checked on every call).
+        rows: key -> rows ``[S, ...]`` (copies): the observations, and the
+            trajectory ids when there are some.
     """
 
     exact: bool
@@ -48,12 +55,30 @@ class Fingerprint:
     def of_call(cls, views: Views, first: np.ndarray, ends: CallEnds) -> Fingerprint:
         """The fingerprint of a call from its first row of each stream.
 
-        The trajectory ids of the rows ``first``, or their observations
-        (``ends``) where the rows have no trajectory ids.
+        The observations of the rows ``first`` (``ends``), with their
+        trajectory ids when the rows have some.
         """
-        if TRAJ_IDS in views.tensors:
-            return cls(True, {TRAJ_IDS: take_rows(views, TRAJ_IDS, first)})
-        return cls(False, ends.first_obs)
+        if TRAJ_IDS not in views.tensors:
+            return cls(False, ends.first_obs)
+        return cls(True, {**ends.first_obs, TRAJ_IDS: take_rows(views, TRAJ_IDS, first)})
+
+    def starts(self, td) -> bool:
+        """Whether the ``[*E, T]`` batch ``td`` starts with these rows.
+
+        For a batch extended by producer (its rows not read yet): it
+        compares the first step of each stream.
+        """
+        if not self.exact:
+            return False
+        steps = td.batch_size[-1]
+        for key, rows in self.rows.items():
+            if key not in td.keys(True, True):
+                return False
+            x = td.get(key)
+            x = x.reshape(-1, steps, *x.shape[td.batch_dims :])[:, 0]
+            if not _same(x.cpu().numpy() if isinstance(rows, np.ndarray) else x, rows):
+                return False
+        return True
 
     def same(self, other: Fingerprint | None) -> bool:
         """Whether ``other`` has the same first rows, byte for byte."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.envs import GymEnv
 
 from cleanbuf import AutoresetFilter, ContinuityError
-from tests.batches import next_step_batch
+from tests.batches import assert_same_rows, next_step_batch
 from tests.test_errors import _primed, assert_rejected
 
 
@@ -88,3 +91,40 @@ def test_nan_observations_continue():
     filt.inv(both[:, :12])
     filt.inv(both[:, 12:])
     assert filt.stats["rows_in"] == 48
+
+
+def _long_episode_batches(producer_key):
+    """Four [2, 8] collector batches of Pendulum (200-step episodes): no
+    episode ends, so every batch starts with the same trajectory ids.
+    """
+    env = GymEnv("Pendulum-v1", num_envs=2)
+    env.set_seed(0)
+    collector = Collector(env, None, frames_per_batch=16, total_frames=64)
+    try:
+        batches = [b.clone() for b in collector]
+    finally:
+        collector.shutdown()
+    ids = torch.stack([b["collector", "traj_ids"][:, 0] for b in batches])
+    assert (ids == ids[0]).all() and not any(b["next", "done"].any() for b in batches)
+    options = {"producer_key": ("collector", "traj_ids")} if producer_key else {}
+    return AutoresetFilter("next_step", **options), batches
+
+
+@pytest.mark.parametrize("producer_key", [False, True], ids=["one producer", "producer_key"])
+def test_batches_with_the_same_trajectory_ids_are_new_batches(producer_key):
+    """Bug caught (it shipped): a batch starting with the same trajectory
+    ids as the last call's taken for that batch written again, so the
+    filter rolled back to before the last call every time: each call
+    counted over the first (rows_in stuck at one batch) and checked against
+    the first call's state (a skipped batch went through).
+    """
+    filt, batches = _long_episode_batches(producer_key)
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+    for b in batches[:3]:
+        rb.extend(b)
+    assert filt.stats["rows_in"] == filt.stats["rows_out"] == len(rb) == 48
+    assert_same_rows(rb[:], torch.cat([b.reshape(-1) for b in batches[:3]]))
+    filt, _ = _long_episode_batches(producer_key)
+    filt.inv(batches[0])
+    with pytest.raises(ContinuityError):
+        filt.inv(batches[2])
