@@ -7,6 +7,8 @@ The public API:
   producer.
 * :func:`clean`: one-shot cleaning of a TensorDict or a dict of arrays.
 * :func:`step_rows`: one raw vector-env step as the rows the filter expects.
+* :func:`lossless_gym_env`: TorchRL's ``GymEnv(name, num_envs=N)`` on a
+  vector env that loses no terminal observation (no filter needed).
 * the errors, all ``ValueError`` subclasses.
 """
 
@@ -20,6 +22,7 @@ from cleanbuf._errors import (
     ResetRowError,
     TerminalObservationLostError,
 )
+from cleanbuf._lossless import lossless_gym_env
 from cleanbuf._rows import step_rows
 from cleanbuf._transform import AutoresetFilter
 
@@ -33,6 +36,7 @@ __all__ = [
     "ResetRowError",
     "TerminalObservationLostError",
     "clean",
+    "lossless_gym_env",
     "step_rows",
 ]
 __version__ = "0.2.0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -45,7 +46,57 @@ def _is_sb3_vec_env(env: Any) -> bool:
 _BOOKKEEPING = {"is_init", "step_count"}
 
 
-def _collector_options(collector: Any) -> tuple[dict, str]:
+@dataclasses.dataclass
+class Reading:
+    """What ``for_env`` read from a producer.
+
+    Attributes:
+        options: the filter options that fit it.
+        why: a short reason (shown in the filter's repr).
+        warning: a prediction the user should hear at construction (that
+            the producer will lose terminal observations), or None.
+    """
+
+    options: dict
+    why: str
+    warning: str | None = None
+
+
+def _time_limit(vec: Any) -> tuple[str, int] | None:
+    """The env id and time limit of a Gymnasium vector env's sub-envs, if any."""
+    try:
+        spec = vec.get_attr("spec")[0]
+    except Exception:  # an env without a spec, or a closed one: nothing to predict
+        return None
+    steps = getattr(spec, "max_episode_steps", None)
+    return (spec.id, int(steps)) if steps else None
+
+
+def _joint_loss_warning(vec: Any) -> str | None:
+    """The prediction for a TorchRL GymWrapper over a next-step vector env.
+
+    TorchRL resets all its envs together when they all end on the same
+    step, and their terminal observations are lost. Envs that start
+    together and never end before the time limit (fixed-horizon tasks) all
+    end on the same step, every episode.
+    """
+    limit = _time_limit(vec)
+    if limit is None or vec.num_envs < 2:
+        return None
+    name, steps = limit
+    return (
+        f"the {vec.num_envs} sub-envs of this GymEnv('{name}') end episodes at a "
+        f"{steps}-step time limit. Envs that reach it on the same step (all of them, every "
+        "episode, when no episode ends earlier, as in fixed-horizon tasks) are reset "
+        "together by TorchRL, and their terminal observations are lost: the filter stores "
+        "them as NaN next observations (on_lost_terminal_obs='nan') and counts them in "
+        f"stats['terminal_obs_missing']. To lose none, build the env with "
+        f"cleanbuf.lossless_gym_env('{name}', {vec.num_envs}); to keep such rows out of "
+        "your losses, pass on_lost_terminal_obs='drop'."
+    )
+
+
+def _collector_options(collector: Any) -> Reading:
     """The options for a TorchRL collector.
 
     Its env's options; a multi-process collector's workers, each its own
@@ -55,7 +106,7 @@ def _collector_options(collector: Any) -> tuple[dict, str]:
     from torchrl.collectors import MultiCollector
 
     if isinstance(collector, MultiCollector):
-        opts, why, obs_keys = _multi_collector_options(collector)
+        reading, obs_keys = _multi_collector_options(collector)
     else:
         env = getattr(collector, "env", None)
         if env is None:
@@ -63,23 +114,24 @@ def _collector_options(collector: Any) -> tuple[dict, str]:
                 f"cannot find the env of {type(collector).__name__}; call "
                 "AutoresetFilter.for_env(env) with the env it collects from."
             )
-        opts, why = _torchrl_options(env)
+        reading = _torchrl_options(env)
         obs_keys = []
         for k in collector_compact_next_keys(collector):
             root = k[1:] if len(k) > 2 else k[1]
             name = root[-1] if isinstance(root, tuple) else root
             if name not in _BOOKKEEPING and root not in obs_keys:
                 obs_keys.append(root)
+    opts = reading.options
     if getattr(collector, "set_truncated", False) and opts["mode"] == "next_step":
         opts["set_truncated"] = True
-        why += ", set_truncated=True: batch-end marks"
+        reading.why += ", set_truncated=True: batch-end marks"
     if getattr(collector, "compact_obs", False):
         opts["observation_keys"] = obs_keys
-        why += ", compact_obs=True: observation-only rows"
-    return opts, why
+        reading.why += ", compact_obs=True: observation-only rows"
+    return reading
 
 
-def _multi_collector_options(collector: Any) -> tuple[dict, str, list]:
+def _multi_collector_options(collector: Any) -> tuple[Reading, list]:
     """The options for a ``MultiSyncCollector`` / ``MultiAsyncCollector``.
 
     The options of the first worker's env (a probe is built once), with
@@ -88,7 +140,7 @@ def _multi_collector_options(collector: Any) -> tuple[dict, str, list]:
     apart by trajectory ids.
 
     Returns:
-        ``(options, reason, observation keys of the worker env)``.
+        ``(reading, observation keys of the worker env)``.
     """
     from torchrl.collectors import MultiAsyncCollector
     from torchrl.envs import EnvBase
@@ -97,7 +149,8 @@ def _multi_collector_options(collector: Any) -> tuple[dict, str, list]:
     kwargs = collector.create_env_kwargs[0] if collector.create_env_kwargs else {}
     probe = fn if isinstance(fn, EnvBase) else fn(**kwargs)
     try:
-        opts, why = _torchrl_options(probe)
+        reading = _torchrl_options(probe)
+        opts, why = reading.options, reading.why
         worker_shape = tuple(probe.batch_size)
         obs_keys = [
             k if isinstance(k, tuple) else (k,) for k in probe.observation_spec.keys(True, True)
@@ -123,10 +176,11 @@ def _multi_collector_options(collector: Any) -> tuple[dict, str, list]:
                 )
             opts["producer_key"] = TRAJ_IDS
             why += ", one worker's batch at a time, told apart by trajectory ids"
-    return opts, why, obs_keys
+    reading.why = why
+    return reading, obs_keys
 
 
-def _torchrl_options(env: Any) -> tuple[dict, str]:
+def _torchrl_options(env: Any) -> Reading:
     from torchrl.envs import GymWrapper, TransformedEnv
     from torchrl.envs.batched_envs import BatchedEnvBase
 
@@ -136,20 +190,19 @@ def _torchrl_options(env: Any) -> tuple[dict, str]:
     if isinstance(inner, BatchedEnvBase):
         worker_shape = tuple(inner.batch_size[1:])
         if not worker_shape:
-            return {"mode": "disabled"}, f"{type(inner).__name__} of single envs (explicit resets)"
+            why = f"{type(inner).__name__} of single envs (explicit resets)"
+            return Reading({"mode": "disabled"}, why)
         fn = inner.create_env_fn[0]
         kwargs = inner.create_env_kwargs[0] if inner.create_env_kwargs else {}
         probe = fn(**kwargs)
         try:
-            opts, why = _torchrl_options(probe)
+            reading = _torchrl_options(probe)
         finally:
             probe.close()
-        if opts.get("joint_reset"):
-            n = 1
-            for d in worker_shape:
-                n *= int(d)
-            opts["reset_group_size"] = n
-        return opts, f"{type(inner).__name__} workers: {why}"
+        if reading.options.get("joint_reset"):
+            reading.options["reset_group_size"] = int(math.prod(worker_shape))
+        reading.why = f"{type(inner).__name__} workers: {reading.why}"
+        return reading
     if isinstance(inner, GymWrapper):
         try:
             vec = gym_wrapper_vector_env(inner)
@@ -160,32 +213,32 @@ def _torchrl_options(env: Any) -> tuple[dict, str]:
                 "joint_reset=True for GymEnv(name, num_envs=N))."
             ) from err
         if vec is None:
-            return {"mode": "disabled"}, "single GymWrapper env (explicit resets)"
+            return Reading({"mode": "disabled"}, "single GymWrapper env (explicit resets)")
         mode = _gym_mode(vec) if _is_gym_vector(vec) else "same_step"
         if mode != "next_step":
-            return (
-                {"mode": "disabled"},
-                f"GymWrapper over a {mode} vector env (TorchRL repairs it)",
+            return Reading(
+                {"mode": "disabled"}, f"GymWrapper over a {mode} vector env (TorchRL repairs it)"
             )
-        return (
-            {"mode": "next_step", "joint_reset": True},
-            "TorchRL GymWrapper over a next-step vector env (joint reset)",
-        )
+        warning = _joint_loss_warning(vec)
+        why = "TorchRL GymWrapper over a next-step vector env (joint reset)"
+        if warning is not None:
+            why += f"; joint resets at the {_time_limit(vec)[1]}-step time limit lose terminal obs"
+        return Reading({"mode": "next_step", "joint_reset": True}, why, warning)
     raise CleanbufError(
         f"cannot read the auto-reset behaviour of TorchRL env {type(inner).__name__}; "
         "pass mode= (and joint_reset=) explicitly."
     )
 
 
-def options_for_env(env: Any) -> tuple[dict, str]:
-    """Returns the filter options that fit ``env``, and a short reason.
+def options_for_env(env: Any) -> Reading:
+    """Returns the filter options that fit ``env``, with a short reason.
 
     Args:
         env: a TorchRL env or collector, a Gymnasium ``VectorEnv``, a
             Stable-Baselines3 ``VecEnv`` or an EnvPool env.
 
     Returns:
-        ``(options, reason)``.
+        The options, the reason, and what to warn the user of.
 
     Raises:
         CleanbufError: unknown producer.
@@ -193,7 +246,7 @@ def options_for_env(env: Any) -> tuple[dict, str]:
     Examples:
         >>> import gymnasium as gym
         >>> venv = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
-        >>> options_for_env(venv)[0]
+        >>> options_for_env(venv).options
         {'mode': 'next_step', 'layout': 'step'}
     """
     module = type(env).__module__
@@ -202,16 +255,15 @@ def options_for_env(env: Any) -> tuple[dict, str]:
     if module.startswith("torchrl"):
         return _torchrl_options(env)
     if _is_sb3_vec_env(env):
-        return (
+        return Reading(
             {"mode": "same_step", "layout": "step"},
             f"Stable-Baselines3 {type(env).__name__} (same-step, terminal_observation in infos)",
         )
     if _is_envpool(env):
-        return {"mode": "next_step", "layout": "step"}, "EnvPool env (next-step)"
+        return Reading({"mode": "next_step", "layout": "step"}, "EnvPool env (next-step)")
     if _is_gym_vector(env):
         mode = _gym_mode(env)
-        opts = {"mode": mode, "layout": "step"}
-        return opts, f"Gymnasium {type(env).__name__} ({mode})"
+        return Reading({"mode": mode, "layout": "step"}, f"Gymnasium {type(env).__name__} ({mode})")
     raise CleanbufError(
         f"cannot tell how {type(env).__name__} (module {module}) auto-resets. Build the "
         "filter with an explicit mode: AutoresetFilter('next_step' | 'same_step' | "

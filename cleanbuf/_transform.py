@@ -214,13 +214,21 @@ class AutoresetFilter(Transform):
 
         Raises:
             CleanbufError: the producer is unknown; pass an explicit mode.
+
+        Warns:
+            CleanbufWarning: the producer will lose terminal observations (a
+                ``GymEnv(name, num_envs=N)`` whose sub-envs have a time limit:
+                envs that reach it together are reset together), unless
+                ``on_lost_terminal_obs`` is given.
         """
         from cleanbuf._producers import options_for_env
 
-        options, why = options_for_env(env)
-        options.update(overrides)
+        reading = options_for_env(env)
+        options = {**reading.options, **overrides}
         filt = cls(**options)
-        filt._origin = why
+        filt._origin = reading.why
+        if reading.warning is not None and "on_lost_terminal_obs" not in overrides:
+            warnings.warn(CleanbufWarning(reading.warning), stacklevel=2)
         return filt
 
     @property
@@ -384,10 +392,10 @@ class AutoresetFilter(Transform):
                 "(TorchRL resets all envs of a GymEnv(num_envs=N) together when they end on "
                 "the same step, as fixed-horizon tasks always do) and are stored as NaN next "
                 "observations, which turn a TD target NaN even under a done mask. Use a "
-                "lossless producer (TorchRL GymWrapper over gymnasium.make_vec(..., "
-                "vector_kwargs={'autoreset_mode': AutoresetMode.SAME_STEP or DISABLED})), or "
-                "on_lost_terminal_obs='drop' to store no such row. This warning is shown "
-                "once per filter."
+                "lossless producer, cleanbuf.lossless_gym_env(name, num_envs) (TorchRL's "
+                "GymWrapper over gymnasium.make_vec(..., vector_kwargs={'autoreset_mode': "
+                "AutoresetMode.DISABLED or SAME_STEP})), or on_lost_terminal_obs='drop' to "
+                "store no such row. This warning is shown once per filter."
             ),
             stacklevel=4,
         )
@@ -445,6 +453,8 @@ class AutoresetFilter(Transform):
             parts.append(f"layout={o.layout!r}")
         if o.joint_reset:
             parts.append(f"joint_reset=True, reset_group_size={o.reset_group_size}")
+        if o.on_lost_terminal_obs is not None:
+            parts.append(f"on_lost_terminal_obs={o.on_lost_terminal_obs!r}")
         origin = getattr(self, "_origin", None)
         if origin:
             parts.append(f"from={origin!r}")

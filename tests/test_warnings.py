@@ -40,7 +40,7 @@ def test_lost_terminal_observations_warn_once():
     message = str(lost[0].message)
     assert filt.stats["terminal_obs_missing"] >= 2
     assert message.split()[0].isdigit() and int(message.split()[0]) >= 1
-    for fragment in ("SAME_STEP or DISABLED", "on_lost_terminal_obs='drop'", "NaN"):
+    for fragment in ("lossless_gym_env", "on_lost_terminal_obs='drop'", "NaN"):
         assert fragment in message
 
 

@@ -1,0 +1,180 @@
+"""Fixed-horizon tasks: a producer that loses nothing, and losses without NaN.
+
+TorchRL's ``GymEnv(name, num_envs=N)`` resets all N envs together when they
+end on the same step; for a fixed-horizon task (Pendulum: every episode
+ends at the time limit, all envs together) every terminal observation is
+lost. ``cleanbuf.lossless_gym_env`` builds the env so that none is, and
+``on_lost_terminal_obs="drop"`` keeps NaN out of the losses of the
+``GymEnv`` data.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torchrl.collectors import Collector
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.envs import Compose, GymEnv, InitTracker, StepCounter, TransformedEnv
+from torchrl.modules import ValueOperator
+from torchrl.objectives.value import TD0Estimator
+
+import cleanbuf
+from cleanbuf import AutoresetFilter, CleanbufError, CleanbufWarning
+from tests.oracle import STREAM, compare_streams, make_env, streams_from_batches
+
+E, T, HORIZON = 3, 8, 6
+GAMMA = 0.9
+
+
+def _pendulum_policy(td):
+    """Deterministic: a torque against the angular velocity; tags each row's env."""
+    batch = td.batch_size
+    td.set("action", (-2.0 * td["observation"][..., 2:3]).clamp(-2.0, 2.0))
+    td.set(STREAM, torch.arange(batch[-1]).expand(batch).clone())
+    return td
+
+
+def _collect(base, batches=5):
+    env = TransformedEnv(base, Compose(StepCounter(), InitTracker()))
+    env.set_seed(0)
+    collector = Collector(
+        env, _pendulum_policy, frames_per_batch=E * T, total_frames=E * T * batches
+    )
+    try:
+        return [b.clone() for b in collector]
+    finally:
+        collector.shutdown()
+        env.close()
+
+
+def _pendulum_step(obs, action):
+    """Gymnasium's Pendulum-v1 dynamics (g=10, m=l=1, dt=0.05) on observations."""
+    th, thdot = torch.atan2(obs[:, 1], obs[:, 0]), obs[:, 2]
+    u = action[:, 0].clamp(-2.0, 2.0)
+    thdot = (thdot + (15.0 * torch.sin(th) + 3.0 * u) * 0.05).clamp(-8.0, 8.0)
+    th = th + thdot * 0.05
+    return torch.stack([torch.cos(th), torch.sin(th), thdot], -1)
+
+
+def _oracle(batches=5):
+    base = make_env("Pendulum-v1", E, HORIZON, disabled=True).base_env
+    return streams_from_batches(_collect(base, batches))
+
+
+def test_lossless_env_equals_the_explicit_reset_run():
+    """Pendulum with a 6-step time limit: all three envs end together every
+    six steps. Bugs caught: the helper building a next-step env (terminal
+    observations lost: NaN or zeros where the oracle has states), a
+    sub-env kwarg (max_episode_steps) not reaching the sub-envs (episodes
+    of the wrong length), rows reordered or dropped.
+    """
+    got = _collect(cleanbuf.lossless_gym_env("Pendulum-v1", E, max_episode_steps=HORIZON))
+    assert int(torch.cat(got, 1)["next", "done"].sum()) == E * (5 * T // HORIZON)
+    assert compare_streams(streams_from_batches(got), _oracle(), min_rows=5 * T) == 0
+
+
+def test_lossless_same_step_env_keeps_its_terminal_observations():
+    """The same-step flavour draws its reset states in another order than
+    explicit resets, so only its first episodes equal the oracle's row for
+    row; after that every row's next observation must follow from its
+    state and action, terminal rows included. Bug caught: a mode whose
+    terminal rows hold the next episode's reset observation (the same-step
+    artifact), or lost ones.
+    """
+    got = streams_from_batches(
+        _collect(
+            cleanbuf.lossless_gym_env(
+                "Pendulum-v1", E, autoreset_mode="same_step", max_episode_steps=HORIZON
+            )
+        )
+    )
+    first = {e: rows[:HORIZON] for e, rows in got.items()}
+    assert compare_streams(first, _oracle(1), min_rows=HORIZON) == 0
+    for rows in got.values():
+        nxt, obs = rows["next", "observation"], rows["observation"]
+        start = rows["is_init"].squeeze(-1)[1:]
+        assert int(start.sum()) == len(rows) // HORIZON - (len(rows) % HORIZON == 0)
+        assert torch.equal(nxt[:-1][~start], obs[1:][~start])  # chains within episodes
+    # Every next observation, terminal ones included, is Pendulum's physics
+    # applied to the row's state and action; a reset state is not.
+    torch.testing.assert_close(nxt, _pendulum_step(obs, rows["action"]), atol=1e-4, rtol=0)
+
+
+def test_lossless_env_needs_no_filter():
+    """Bug caught: for_env cleaning (or warning about) data TorchRL already
+    repaired; the helper accepting a next-step mode (which loses data).
+    """
+    env = cleanbuf.lossless_gym_env("Pendulum-v1", 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CleanbufWarning)
+        assert AutoresetFilter.for_env(env).options.mode == "disabled"
+    env.close()
+    with pytest.raises(CleanbufError, match="'disabled' or 'same_step'"):
+        cleanbuf.lossless_gym_env("Pendulum-v1", 2, autoreset_mode="next_step")
+
+
+def test_for_env_predicts_the_losses_of_a_fixed_horizon_gymenv():
+    """Bugs caught: a GymEnv(num_envs) with a time limit configured without
+    a word (a user learns of the NaN rows when the weights are NaN), a
+    warning without the time limit or the two ways out, a warning for a
+    user who chose on_lost_terminal_obs.
+    """
+    env = GymEnv("Pendulum-v1", num_envs=4)
+    with pytest.warns(CleanbufWarning) as record:
+        filt = AutoresetFilter.for_env(env)
+    message = str(record[0].message)
+    for fragment in ("200-step time limit", "lossless_gym_env('Pendulum-v1', 4)", "'drop'"):
+        assert fragment in message
+    assert "200-step time limit" in repr(filt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CleanbufWarning)
+        filt = AutoresetFilter.for_env(env, on_lost_terminal_obs="drop")
+    assert "on_lost_terminal_obs='drop'" in repr(filt)
+    env.close()
+
+
+def _td0_targets(on_lost_terminal_obs):
+    """TorchRL's TD(0) target and r + gamma (1 - terminated) V(s') by hand,
+    on every row a filtered buffer holds after a fixed-horizon GymEnv run.
+    """
+    env = GymEnv("Pendulum-v1", num_envs=E, max_episode_steps=HORIZON)
+    env.set_seed(0)
+    options = {} if on_lost_terminal_obs is None else {"on_lost_terminal_obs": on_lost_terminal_obs}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CleanbufWarning)
+        filt = AutoresetFilter.for_env(env, **options)
+        rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt, batch_size=64)
+        collector = Collector(env, None, frames_per_batch=E * T, total_frames=E * T * 5)
+        try:
+            for batch in collector:
+                rb.extend(batch)
+        finally:
+            collector.shutdown()
+    assert filt.stats["terminal_obs_missing"] == E * (5 * T // HORIZON)
+    torch.manual_seed(0)
+    value = ValueOperator(nn.Linear(3, 1), in_keys=["observation"])
+    rows = rb[: len(rb)]
+    with torch.no_grad():
+        target = TD0Estimator(gamma=GAMMA, value_network=value).value_estimate(rows.clone())
+        nxt = value(rows["next"].select("observation").clone())["state_value"]
+    term = rows["next", "terminated"].float()
+    by_hand = rows["next", "reward"] + GAMMA * (1 - term) * nxt
+    return target, by_hand
+
+
+def test_drop_keeps_nan_out_of_td_targets():
+    """The documented NaN-free option, with TorchRL's own value estimator on
+    the rows of a Pendulum run whose terminal observations are all lost.
+    Bug caught: 'drop' storing the rows anyway (a NaN next observation: the
+    hand-written target is NaN, and TorchRL's estimator, which swaps a NaN
+    next observation for the current one, no longer equals it).
+    """
+    target, by_hand = _td0_targets("drop")
+    assert torch.isfinite(target).all()
+    torch.testing.assert_close(target, by_hand)
+    # The default (NaN) is what the test tells apart from 'drop'.
+    target, by_hand = _td0_targets(None)
+    assert not torch.isfinite(by_hand).all()
