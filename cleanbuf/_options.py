@@ -154,6 +154,14 @@ class Options:
                 f"stream_key={stream_key!r} only goes with layout='stream_key' (or no "
                 f"layout); got layout={layout!r}."
             )
+        if stream_key is not None and stream_key[-1] == "traj_ids" and mode != "disabled":
+            raise CleanbufError(
+                f"stream_key={stream_key!r}: trajectory ids name episodes, not envs, and "
+                "TorchRL gives a next-step reset row the id of the next episode, so they "
+                "cannot tell which env a reset row came from (nothing would be cleaned). "
+                "Pass a key that holds each row's env index, or give the filter the "
+                "collector's [*E, T] batches as they come (no stream_key)."
+            )
         policy = kwargs.get("on_lost_terminal_obs")
         if policy is not None and policy not in LOST_POLICIES:
             raise CleanbufError(

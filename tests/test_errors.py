@@ -9,6 +9,7 @@ import pytest
 import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
+import cleanbuf
 from cleanbuf import (
     AutoresetFilter,
     CleanbufError,
@@ -248,6 +249,19 @@ def test_bad_options():
         AutoresetFilter("nextstep")
     with pytest.raises(CleanbufError, match="layout="):
         AutoresetFilter("next_step", layout="rows")
+
+
+def test_trajectory_ids_as_stream_key_are_refused():
+    """TorchRL gives a next-step reset row the next episode's trajectory id,
+    so grouping rows by it puts each reset row at the start of the next
+    episode, where it looks like a first row. Bug caught: every reset row
+    kept, silently (175 of 175 in a CartPole run), with
+    stream_key=("collector", "traj_ids").
+    """
+    with pytest.raises(CleanbufError, match="name episodes, not envs"):
+        AutoresetFilter("next_step", stream_key=("collector", "traj_ids"))
+    with pytest.raises(CleanbufError, match="env index"):
+        cleanbuf.clean(next_step_batch(2, 8, 0).reshape(-1), stream_key=("collector", "traj_ids"))
 
 
 def test_clean_dict_with_mismatched_batch_shapes():
