@@ -5,7 +5,10 @@ The public API:
 * :class:`AutoresetFilter`: a TorchRL replay-buffer transform that cleans on
   the write path; ``AutoresetFilter.for_env(env)`` configures it from the
   producer.
-* :func:`clean`: one-shot cleaning of a TensorDict or a dict of arrays.
+* :func:`clean`: one-shot cleaning of a TensorDict, a dict of arrays, a
+  replay buffer filled without the filter, or a dataset on disk.
+* :func:`audit`: what auto-reset artifacts stored data holds (also the
+  ``cleanbuf audit`` / ``cleanbuf clean`` command line).
 * :func:`step_rows`: one raw vector-env step as the rows the filter expects.
 * :func:`lossless_gym_env`: TorchRL's ``GymEnv(name, num_envs=N)`` on a
   vector env that loses no terminal observation (no filter needed).
@@ -25,6 +28,7 @@ from cleanbuf._errors import (
 from cleanbuf._lossless import lossless_gym_env
 from cleanbuf._rows import step_rows
 from cleanbuf._transform import AutoresetFilter
+from cleanbuf.offline import audit
 
 __all__ = [
     "AutoresetFilter",
@@ -35,6 +39,7 @@ __all__ = [
     "LayoutError",
     "ResetRowError",
     "TerminalObservationLostError",
+    "audit",
     "clean",
     "lossless_gym_env",
     "step_rows",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,23 +81,40 @@ def _to_dict(td: TensorDictBase, as_numpy: bool) -> dict:
     return out
 
 
-def clean(data: Any, *, batch_dims: int | None = None, **options: Any) -> Any:
+def clean(
+    data: Any,
+    *,
+    batch_dims: int | None = None,
+    dst: str | None = None,
+    return_stats: bool = False,
+    **options: Any,
+) -> Any:
     """Cleans auto-reset data in one go; held rows are flushed at the end.
 
     Args:
         data: a TensorDict, or a (nested) dict of numpy arrays or torch
             tensors with keys like ``"observation"`` and
             ``{"next": {"observation", "reward", "done"}}`` (tuple keys such
-            as ``("next", "done")`` work too).
+            as ``("next", "done")`` work too); or stored data whose layout
+            is recovered as ``cleanbuf audit`` does: a TorchRL
+            ``ReplayBuffer`` or storage filled without the filter (by a
+            collector or ``rb.extend``), or a path (an ``rb.dumps``
+            directory, a TensorDict memmap directory, a ``.npz`` file).
         batch_dims: for dicts, the number of batch dimensions; None infers it
             from the done array (a trailing dimension of size 1 is a feature
             dimension).
+        dst: for a path, where to write the cleaned dataset (same format);
+            None returns the rows instead.
+        return_stats: also return the counters (``filt.stats``).
         **options: the options of :class:`cleanbuf.AutoresetFilter`, ``mode``
-            included (default "next_step").
+            included (default "next_step"; for stored data, what the audit
+            found).
 
     Returns:
-        Flat cleaned rows, as a TensorDict for a TensorDict and as a nested
-        dict of the same array kind for a dict.
+        Flat cleaned rows, as a TensorDict for a TensorDict, a buffer, a
+        storage or a path, and as a nested dict of the same array kind for
+        a dict; ``(rows, stats)`` with ``return_stats``. With ``dst``, the
+        stats only.
 
     Examples:
         >>> import numpy as np
@@ -111,6 +130,11 @@ def clean(data: Any, *, batch_dims: int | None = None, **options: Any) -> Any:
         >>> out["next"]["observation"].tolist()
         [1.0, 2.0, 11.0]
     """
+    stored = _stored(data, dst, options)
+    if stored is not None:
+        if dst is not None:
+            return stored.stats
+        return (stored.rows, stored.stats) if return_stats else stored.rows
     as_dict = isinstance(data, Mapping) and not isinstance(data, TensorDictBase)
     if as_dict:
         td, as_numpy = _to_td(data, batch_dims)
@@ -121,4 +145,20 @@ def clean(data: Any, *, batch_dims: int | None = None, **options: Any) -> Any:
     rest = cleaner.flush()
     if rest.batch_size[0]:
         out = torch.cat([out, rest])
-    return _to_dict(out, as_numpy) if as_dict else out
+    out = _to_dict(out, as_numpy) if as_dict else out
+    return (out, cleaner.stats) if return_stats else out
+
+
+def _stored(data: Any, dst: str | None, options: dict) -> Any:
+    """Cleans a path, a replay buffer or a storage; None for anything else."""
+    from cleanbuf.offline import clean_dataset
+    from cleanbuf.offline._formats import from_buffer
+
+    if isinstance(data, (str, os.PathLike)):
+        return clean_dataset(os.fspath(data), dst, **options)
+    if dst is not None:
+        raise InputError("dst= is for a path: clean(path, dst=...) writes a new dataset.")
+    if type(data).__module__.startswith("torchrl.data"):
+        with tempfile.TemporaryDirectory(prefix="cleanbuf-") as tmp:
+            return clean_dataset(from_buffer(data, os.path.join(tmp, "dump")), None, **options)
+    return None

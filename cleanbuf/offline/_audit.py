@@ -1,0 +1,341 @@
+"""``cleanbuf.audit``: what auto-reset artifacts stored transitions hold.
+
+The audit reads the rows in write order, recovers which env each came
+from (:mod:`cleanbuf.offline._streams`), and then looks at every episode
+end of every env: the done row and the row after it.
+
+* **next-step** data: the row after a done row is a *reset row*, from the
+  terminal state to the next episode's first state, with reward 0 and not
+  done. Its observation is the terminal state the done row lacks (TorchRL
+  zero-fills it; a raw Gymnasium loop has it in both).
+* **joint resets** (TorchRL's ``GymEnv(num_envs=N)`` when all envs end on
+  one step): no reset row, and the done rows' next observations are zeros.
+  Lost for good.
+* **same-step** data: the done row's next observation is the next
+  episode's first observation (the next row's observation). Lost unless
+  the final observations were stored.
+* **clean** data: none of those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+
+from cleanbuf._errors import InputError
+from cleanbuf.offline._formats import Dataset, from_buffer, read
+from cleanbuf.offline._streams import Streams, recover
+
+_DONE_KEYS = (("next", "done"), ("next", "terminated"))
+_NOT_OBS = {"done", "terminated", "truncated", "reward", "is_init", "step_count", "traj_ids"}
+
+
+def _tuple(key) -> tuple:
+    return key if isinstance(key, tuple) else (key,)
+
+
+def observation_key(data) -> tuple:
+    """The observation key: the first key ``k`` stored with ``("next", *k)``.
+
+    Raises:
+        InputError: no such pair of keys.
+    """
+    keys = [_tuple(k) for k in data.keys(True, True)]
+    present = set(keys)
+    for k in keys:
+        if k[0] != "next" and k[-1] not in _NOT_OBS and ("next", *k) in present:
+            return k
+    raise InputError(
+        f"no observation key stored with its ('next', ...) twin among {sorted(keys, key=str)}; "
+        "an audit needs each row's observation and next observation."
+    )
+
+
+def _column(ds: Dataset, key: tuple) -> np.ndarray:
+    """One key for every row in write order, ``[N, ...]`` (read once)."""
+    x = ds.data.get(key)
+    if not np.array_equal(ds.order, np.arange(len(ds.order))):
+        x = x[torch.as_tensor(ds.order)]
+    x = x.numpy() if hasattr(x, "numpy") else np.asarray(x)
+    return x.reshape(-1, *x.shape[ds.data.batch_dims :])
+
+
+@dataclasses.dataclass
+class Report:
+    """What :func:`audit` found.
+
+    Attributes:
+        source: the path audited; format: its format.
+        rows: valid rows; envs, steps: the recovered layout (E envs, T steps
+            per env per write); head: rows of a partly overwritten batch.
+        wrapped: the buffer wrapped around.
+        layout_found: the env layout was recovered (else the rows were read
+            as one stream).
+        mode: the producer's auto-reset mode as the data shows it
+            (``"next_step"``, ``"same_step"``, ``"disabled"`` for clean data).
+        joint_reset: episode ends without a reset row and with lost next
+            observations (TorchRL's joint reset).
+        confidence: ``"high"``, ``"medium"`` or ``"low"``, with ``why``.
+        episodes: done rows. reset_rows: reset rows (next-step).
+        next_obs_zero, next_obs_nan: done rows whose next observation is all
+            zeros / has NaN. next_obs_is_reset: done rows whose next
+            observation is the next episode's first one (same-step).
+        recoverable: done rows whose terminal observation a clean restores
+            (from the reset row after them).
+    """
+
+    source: str
+    format: str
+    rows: int
+    envs: int
+    steps: int
+    head: int
+    wrapped: bool
+    layout_found: bool
+    mode: str
+    joint_reset: bool
+    confidence: str
+    why: str
+    episodes: int
+    reset_rows: int
+    next_obs_zero: int
+    next_obs_nan: int
+    next_obs_is_reset: int
+    recoverable: int
+
+    @property
+    def artifacts(self) -> int:
+        """Rows that are wrong without saying so.
+
+        Reset rows, done rows whose next observation is zeros (restorable
+        or not), and same-step done rows holding the next episode's first
+        observation. NaN next observations are marked lost already (what
+        ``cleanbuf clean`` leaves), so they do not count.
+        """
+        return self.reset_rows + self.next_obs_zero + self.next_obs_is_reset
+
+    @property
+    def lost(self) -> int:
+        """Done rows whose terminal observation is gone for good (marked or not)."""
+        return max(self.next_obs_zero + self.next_obs_nan - self.recoverable, 0)
+
+    @property
+    def clean(self) -> bool:
+        """No artifact found."""
+        return self.artifacts == 0
+
+    def options(self) -> dict:
+        """The :class:`cleanbuf.AutoresetFilter` options that clean this data."""
+        opts: dict[str, Any] = {"mode": self.mode}
+        if self.joint_reset:
+            opts["joint_reset"] = True
+        if self.mode == "next_step":
+            # TorchRL zero-fills the done row; the reset row holds the
+            # terminal state in next-step data of any producer.
+            opts["terminal_obs_in_done_row"] = False
+        return opts
+
+    def command(self, dst: str = "CLEANED") -> str:
+        """The ``cleanbuf clean`` command that fixes the data."""
+        flags = f" --mode {self.mode}" + (" --joint-reset" if self.joint_reset else "")
+        return f"cleanbuf clean {self.source} {dst}{flags}"
+
+    def to_dict(self) -> dict:
+        """The report as plain values (what ``--json`` prints)."""
+        out = dataclasses.asdict(self)
+        out.update(
+            artifacts=self.artifacts, lost=self.lost, clean=self.clean, command=self.command()
+        )
+        return out
+
+    def __str__(self) -> str:
+        lines = [
+            f"cleanbuf audit: {self.source} ({self.format})",
+            f"  rows              {self.rows}"
+            + (f" (wrapped; {self.head} from a partly overwritten write)" if self.wrapped else ""),
+            f"  streams           {self.envs} envs, {self.steps} steps per env per write"
+            if self.layout_found
+            else "  streams           not recovered (rows of several envs in no order found); "
+            "read as one stream",
+            f"  producer          {self.mode}"
+            + (", joint resets" if self.joint_reset else "")
+            + f" ({self.confidence} confidence: {self.why})",
+            f"  episode ends      {self.episodes}",
+            f"  reset rows        {self.reset_rows}",
+            f"  next obs zeros    {self.next_obs_zero}",
+            f"  next obs NaN      {self.next_obs_nan}",
+            f"  next obs = reset  {self.next_obs_is_reset}",
+            f"  recoverable       {self.recoverable} terminal observations (from reset rows)",
+            f"  lost for good     {self.lost + self.next_obs_is_reset}",
+        ]
+        if self.clean:
+            lines.append("  clean: no auto-reset artifact found")
+            if self.next_obs_nan:
+                lines.append(f"  ({self.next_obs_nan} terminal observations marked lost: NaN)")
+        else:
+            lines.append(f"  fix: {self.command()}")
+            if self.lost:
+                lines.append(
+                    f"  ({self.lost} terminal observations cannot be restored: the fix marks "
+                    "them NaN; add --on-lost-terminal-obs drop to store no such row)"
+                )
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as JSON."""
+        return json.dumps(self.to_dict(), indent=1)
+
+
+def stream_positions(streams: Streams, n: int) -> list[np.ndarray]:
+    """Per env, its rows' positions in write order, in time order.
+
+    Examples:
+        >>> s = Streams(steps=2, envs=2, head=1, head_runs=((1, 0, 1),), tail=0, evidence=(0, 0))
+        >>> [p.tolist() for p in stream_positions(s, 9)]
+        [[1, 2, 5, 6], [0, 3, 4, 7, 8]]
+    """
+    parts: list[list[np.ndarray]] = [[] for _ in range(streams.envs)]
+    for env, start, stop in streams.head_runs:
+        parts[env % streams.envs].append(np.arange(start, stop))
+    t = streams.steps
+    for start, _ in streams.batches(n):
+        for env in range(streams.envs):
+            parts[env].append(np.arange(start + env * t, start + (env + 1) * t))
+    if streams.tail:
+        start = n - streams.tail
+        for env in range(streams.envs):
+            lo = start + env * t
+            if lo < n:
+                parts[env].append(np.arange(lo, min(lo + t, n)))
+    return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
+
+
+def _ends(obs, next_obs, done, reward, positions) -> dict:
+    """Counts over the episode ends of one env's rows (time order)."""
+    d = positions[:-1][done[positions[:-1]]]  # done rows with a row after them
+    after = positions[1:][done[positions[:-1]]]
+    width = int(np.prod(obs.shape[1:], dtype=np.int64))
+    flat_next = next_obs[d].reshape(len(d), width)
+    nan = np.isnan(flat_next).any(1) if flat_next.dtype.kind == "f" else np.zeros(len(d), bool)
+    zero = ~nan & (flat_next == 0).all(1)
+    same = (flat_next.view(np.uint8) == obs[after].reshape(len(d), width).view(np.uint8)).all(1)
+    reset = (reward[after] == 0) & ~done[after]
+    # A raw next-step loop stores the terminal state twice (done row's next
+    # observation and reset row's observation): 'same' and 'reset' at once.
+    return {
+        "ends": len(d),
+        "last_done": int(done[positions[-1]]) if len(positions) else 0,
+        "reset": int(reset.sum()),
+        "zero": int(zero.sum()),
+        "nan": int(nan.sum()),
+        "same_not_reset": int((same & ~reset).sum()),
+        "recoverable": int(((zero | nan) & reset).sum()),
+        "lost_no_reset": int(((zero | nan) & ~reset).sum()),
+    }
+
+
+def audit(source: Any) -> Report:
+    """Audits stored transitions for auto-reset artifacts.
+
+    Args:
+        source: a path (a TorchRL ``rb.dumps`` directory, a TensorDict memmap
+            directory or a ``.npz`` file), a TorchRL ``ReplayBuffer`` or
+            storage (dumped to a temporary directory first), or a
+            :class:`Dataset`.
+
+    Returns:
+        The report: ``print(report)``, ``report.to_dict()``, ``report.clean``.
+
+    Raises:
+        InputError: an unreadable source, or rows without done flags,
+            reward or observations.
+    """
+    if isinstance(source, Dataset):
+        return analyse(source)[0]
+    if isinstance(source, (str, os.PathLike)):
+        return analyse(read(os.fspath(source)))[0]
+    with tempfile.TemporaryDirectory(prefix="cleanbuf-") as tmp:
+        return analyse(from_buffer(source, os.path.join(tmp, "dump")))[0]
+
+
+def analyse(ds: Dataset) -> tuple[Report, Streams]:
+    """:func:`audit`, and the recovered layout (for cleaning)."""
+    data = ds.data
+    done_key = next((k for k in _DONE_KEYS if k in data.keys(True, True)), None)
+    if done_key is None or ("next", "reward") not in data.keys(True, True):
+        raise InputError(
+            f"{ds.path}: an audit needs ('next', 'done') (or 'terminated') and "
+            f"('next', 'reward'); the keys are {sorted(data.keys(True, True), key=str)}."
+        )
+    key = observation_key(data)
+    obs, next_obs = _column(ds, key), _column(ds, ("next", *key))
+    done = _column(ds, done_key).reshape(len(obs), -1).any(1)
+    reward = _column(ds, ("next", "reward")).reshape(len(obs), -1)[:, 0]
+    n = len(obs)
+    streams = recover(obs, next_obs, done, ds.chunk, ds.wrapped)
+    totals: dict[str, int] = {}
+    for positions in stream_positions(streams, n):
+        for k, v in _ends(obs, next_obs, done, reward, positions).items():
+            totals[k] = totals.get(k, 0) + v
+    mode, joint, confidence, why = _verdict(totals, reward, done)
+    if not streams.found:
+        confidence, why = "low", why + "; env layout not recovered"
+    reset_rows = totals.get("reset", 0) if mode == "next_step" else 0
+    report = Report(
+        source=ds.path,
+        format=ds.format,
+        rows=n,
+        envs=streams.envs,
+        steps=streams.steps,
+        head=streams.head,
+        wrapped=ds.wrapped,
+        layout_found=streams.found,
+        mode=mode,
+        joint_reset=joint,
+        confidence=confidence,
+        why=why,
+        episodes=int(done.sum()),
+        reset_rows=reset_rows,
+        next_obs_zero=totals.get("zero", 0),
+        next_obs_nan=totals.get("nan", 0),
+        next_obs_is_reset=totals.get("same_not_reset", 0) if mode == "same_step" else 0,
+        recoverable=totals.get("recoverable", 0) if mode == "next_step" else 0,
+    )
+    return report, streams
+
+
+def _verdict(t: dict, reward: np.ndarray, done: np.ndarray) -> tuple[str, bool, str, str]:
+    """The producer's mode from the episode-end counts, and how sure it is."""
+    ends = t.get("ends", 0)
+    if not ends:
+        return "disabled", False, "low", "no episode end with a row after it"
+    zero_rate = float(np.mean(reward[~done] == 0)) if (~done).any() else 1.0
+    reset, same = t["reset"], t["same_not_reset"]
+    lost_alone = t["lost_no_reset"] if t["zero"] else 0  # NaN alone: marked already
+    if reset >= same and reset > 0:
+        mode, share = "next_step", reset / ends
+        why = f"{reset} of {ends} episode ends followed by a reward-0 row"
+    elif same > 0:
+        mode, share = "same_step", same / ends
+        why = f"{same} of {ends} done rows whose next observation starts the next row"
+    elif lost_alone:
+        mode, share = "next_step", lost_alone / ends
+        why = f"{lost_alone} of {ends} done rows with zero/NaN next observations, no reset row"
+    else:
+        return "disabled", False, "high" if ends >= 3 else "low", f"{ends} clean episode ends"
+    joint = mode == "next_step" and lost_alone > 0
+    if share >= 0.9 and ends >= 3 and zero_rate < 0.05:
+        confidence = "high"
+    elif share >= 0.6:
+        confidence = "medium"
+    else:
+        confidence = "low"
+    if zero_rate >= 0.05:
+        why += f"; {zero_rate:.0%} of other rows also have reward 0"
+    return mode, joint, confidence, why

@@ -1,0 +1,254 @@
+"""Reading and writing transition data on disk, without loading it into memory.
+
+Three formats:
+
+* a TorchRL replay-buffer dump (``rb.dumps(dir)``, any of its storages): a
+  directory with ``storage/`` (a TensorDict memmap of the whole capacity),
+  ``storage/storage_metadata.json`` (how many slots are filled) and
+  ``writer/metadata.json`` (the cursor: where the next write goes, so
+  where the oldest row of a full buffer is);
+* a TensorDict memmap directory (``td.memmap(dir)``): every row is data;
+* a ``.npz`` file of arrays named by their TensorDict key, nested keys
+  joined by ``/`` (``"next/observation"``).
+
+Rows are read as memory maps, in the order they were written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from cleanbuf._errors import InputError
+
+DUMP, MEMMAP, NPZ = "torchrl-dump", "memmap", "npz"
+
+
+@dataclasses.dataclass
+class Dataset:
+    """Transition data read from disk.
+
+    Attributes:
+        format: ``"torchrl-dump"``, ``"memmap"`` or ``"npz"``.
+        path: where it was read.
+        data: the storage's slots, as memory maps: ``[N]`` rows, or
+            ``[N, T]`` chunks of ``T`` time steps of one env (a TorchRL
+            collector writing into a plain storage).
+        order: the filled slots in the order they were written (a full
+            circular buffer starts at the writer's cursor).
+        capacity: the number of slots of the storage.
+        wrapped: the buffer was filled and overwritten its oldest slots.
+    """
+
+    format: str
+    path: str
+    data: TensorDictBase
+    order: np.ndarray
+    capacity: int
+    wrapped: bool
+
+    @property
+    def chunk(self) -> int:
+        """Time steps per slot: 1 for rows, ``T`` for ``[N, T]`` chunks."""
+        return int(self.data.shape[1]) if self.data.batch_dims > 1 else 1
+
+    def rows(self, slots: np.ndarray) -> TensorDictBase:
+        """The slots ``slots`` (storage indices) as rows, in memory."""
+        part = self.data[torch.as_tensor(slots)]
+        return part.reshape(-1) if part.batch_dims > 1 else part
+
+
+def _json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise InputError(f"cannot read {path}: {err}") from err
+
+
+def _load_memmap(path: str) -> TensorDictBase:
+    try:
+        return TensorDict.load_memmap(path)
+    except Exception as err:  # tensordict raises many kinds on a bad directory
+        raise InputError(
+            f"{path} is not a readable TensorDict memmap directory ({type(err).__name__}: "
+            f"{err}). A truncated or partly copied directory reads like this: copy it again."
+        ) from err
+
+
+def _dump(path: str) -> Dataset:
+    storage_dir = os.path.join(path, "storage")
+    data = _load_memmap(storage_dir)
+    capacity = int(data.shape[0])
+    length = int(_json(os.path.join(storage_dir, "storage_metadata.json")).get("len", capacity))
+    writer = os.path.join(path, "writer", "metadata.json")
+    meta = _json(writer) if os.path.exists(writer) else {}
+    cursor = int(meta.get("cursor", length)) % max(capacity, 1)
+    written = int(meta.get("write_count", length))
+    wrapped = length == capacity and written > capacity
+    if wrapped:
+        order = np.concatenate([np.arange(cursor, capacity), np.arange(cursor)])
+    else:
+        data, order = data[:length], np.arange(length)  # a view: the filled slots
+    return Dataset(DUMP, path, data, order, capacity, wrapped)
+
+
+def _npz(path: str) -> Dataset:
+    try:
+        arrays = np.load(path)  # a zip: read into memory, key by key
+    except (OSError, ValueError) as err:
+        raise InputError(f"cannot read {path} as .npz: {err}") from err
+    names = list(arrays.keys())
+    if not names:
+        raise InputError(f"{path} holds no arrays.")
+    n = {name: arrays[name].shape[0] for name in names}
+    if len(set(n.values())) != 1:
+        raise InputError(
+            f"{path}: the arrays have different numbers of rows {n}; every array must hold "
+            "one entry per transition."
+        )
+    rows = n[names[0]]
+    data = TensorDict(
+        {
+            tuple(name.split("/")): torch.from_numpy(np.ascontiguousarray(arrays[name]))
+            for name in names
+        },
+        batch_size=[rows],
+    )
+    return Dataset(NPZ, path, data, np.arange(rows), rows, False)
+
+
+def read(path: str) -> Dataset:
+    """Reads a dump directory, a memmap directory or a ``.npz`` file.
+
+    Raises:
+        InputError: the path does not exist or is in no known format.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(4))
+        >>> _ = rb.extend(TensorDict({"obs": torch.arange(6.0)}, [6]))
+        >>> d = tempfile.mkdtemp(); rb.dumps(d)
+        >>> ds = read(d)
+        >>> ds.format, ds.wrapped, ds.data["obs"][torch.as_tensor(ds.order)].tolist()
+        ('torchrl-dump', True, [2.0, 3.0, 4.0, 5.0])
+    """
+    if not os.path.exists(path):
+        raise InputError(f"{path} does not exist.")
+    if os.path.isdir(path):
+        if os.path.isdir(os.path.join(path, "storage")):
+            return _dump(path)
+        if os.path.exists(os.path.join(path, "meta.json")):
+            data = _load_memmap(path)
+            return Dataset(MEMMAP, path, data, np.arange(data.shape[0]), data.shape[0], False)
+    elif path.endswith(".npz"):
+        return _npz(path)
+    raise InputError(
+        f"{path} is in no format cleanbuf reads: a TorchRL replay-buffer dump (a directory "
+        "written by rb.dumps, with storage/ and writer/), a TensorDict memmap directory (with "
+        "meta.json), or a .npz file of arrays named by key ('next/observation')."
+    )
+
+
+class Collect:
+    """Keeps the rows in memory (cleaning to no path): :attr:`rows` after commit."""
+
+    def __init__(self):
+        self.parts: list = []
+        self.rows: TensorDictBase | None = None
+
+    def write(self, rows: TensorDictBase) -> None:
+        """Appends rows."""
+        if rows.batch_size[0]:
+            self.parts.append(rows)
+
+    def commit(self) -> None:
+        """Joins the rows."""
+        self.rows = torch.cat(self.parts) if self.parts else TensorDict(batch_size=[0])
+
+    def abort(self) -> None:
+        """Drops the rows."""
+        self.parts = []
+
+
+def from_buffer(rb: Any, tmp: str) -> Dataset:
+    """A TorchRL replay buffer (or its storage) as a :class:`Dataset`.
+
+    It is dumped (``rb.dumps``) into ``tmp`` and read back: the write order
+    of a wrapped buffer is known only to its writer, which the dump saves.
+    """
+    from torchrl.data import ReplayBuffer
+
+    if not isinstance(rb, ReplayBuffer):
+        rb = ReplayBuffer(storage=rb)  # a storage: rows in slot order, none overwritten
+    rb.dumps(tmp)
+    return read(tmp)
+
+
+class Writer:
+    """Writes rows to a new dataset in a format, into a temporary directory.
+
+    :meth:`commit` moves it to its place in one rename; until then nothing
+    is at ``dst``, and :meth:`abort` (or a crash) leaves nothing there
+    either (the temporary directory sits next to ``dst``, named
+    ``.DST.cleanbuf-tmp-*``).
+
+    Rows go to a TorchRL ``LazyMemmapStorage`` (memory maps: the memory used
+    stays that of the rows being written), which is then dumped
+    (``rb.dumps``) or saved as a memmap directory or ``.npz``.
+    """
+
+    def __init__(self, fmt: str, dst: str, capacity: int, force: bool = False):
+        from torchrl.data import LazyMemmapStorage, ReplayBuffer
+
+        dst = os.path.abspath(dst)
+        if os.path.exists(dst) and not force:
+            raise InputError(f"{dst} exists; pass --force (force=True) to replace it.")
+        self.fmt, self.dst = fmt, dst
+        parent = os.path.dirname(dst)
+        os.makedirs(parent, exist_ok=True)
+        self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.cleanbuf-tmp-", dir=parent)
+        self.rb = ReplayBuffer(
+            storage=LazyMemmapStorage(max(capacity, 1), scratch_dir=os.path.join(self.tmp, "rows"))
+        )
+
+    def write(self, rows: TensorDictBase) -> None:
+        """Appends rows."""
+        if rows.batch_size[0]:
+            self.rb.extend(rows)
+
+    def commit(self) -> None:
+        """Finishes the dataset and moves it to ``dst``."""
+        out = os.path.join(self.tmp, "out")
+        if self.fmt == DUMP:
+            self.rb.dumps(out)
+        elif self.fmt == MEMMAP:
+            self.rb[: len(self.rb)].memmap(out)
+        else:
+            rows = self.rb[: len(self.rb)]
+            out = os.path.join(self.tmp, "out.npz")
+            with open(out, "wb") as f:
+                np.savez(f, **{"/".join(_tuple(k)): v.numpy() for k, v in rows.items(True, True)})
+        if os.path.isdir(self.dst) and not os.path.islink(self.dst):
+            shutil.rmtree(self.dst)
+        elif os.path.exists(self.dst):
+            os.remove(self.dst)
+        os.replace(out, self.dst)
+        self.abort()
+
+    def abort(self) -> None:
+        """Removes the temporary directory."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _tuple(key: Any) -> tuple:
+    return key if isinstance(key, tuple) else (key,)

@@ -1,0 +1,150 @@
+"""Which env each stored row came from, recovered from the rows themselves.
+
+A TorchRL buffer keeps no env index. What it keeps is the order of the
+writes: a collector's ``[E, T]`` batch is stored either as ``E`` slots of
+``T`` steps (``Collector(replay_buffer=rb)`` on a plain storage) or, by
+``rb.extend(batch.reshape(-1))``, as ``E`` runs of ``T`` rows, env by env.
+Within a run, each row's next observation is the next row's observation,
+except where an episode ended. So:
+
+1. **Runs.** Cut the rows where a not-done row's next observation is not
+   the next row's observation (bytes). In flat data those cuts fall on
+   the boundaries between envs, every ``T`` rows: ``T`` is the greatest
+   common divisor of the distances between cuts. In chunked data a run is
+   a slot.
+2. **Envs.** Run ``k + E`` continues run ``k`` (its first observation is
+   the last next observation of run ``k``, unless that row ended an
+   episode): ``E`` is the smallest period for which every such pair does.
+
+A full circular buffer starts at the writer's cursor, which may fall
+inside a batch: the runs before the first whole batch are the **head**,
+the surviving part of a batch the buffer overwrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Streams:
+    """The recovered layout of rows in write order.
+
+    Attributes:
+        steps: ``T``, rows per run (per env per batch).
+        envs: ``E``, runs per batch.
+        head: rows before the first whole batch (the rest of a batch the
+            buffer overwrote); 0 when the data starts with a whole batch.
+        head_runs: the runs of the head, ``(env, start, stop)`` rows.
+        tail: rows after the last whole batch (a batch written in part).
+        evidence: how many run pairs confirmed ``E`` (and how many could).
+        found: False when the rows break into runs with no period: they are
+            then one stream in write order, which only data of one env is.
+    """
+
+    steps: int
+    envs: int
+    head: int
+    head_runs: tuple
+    tail: int
+    evidence: tuple
+    found: bool = True
+
+    def batches(self, n_rows: int):
+        """Yields ``(start, stop)`` of each whole batch, ``E * T`` rows."""
+        size = self.steps * self.envs
+        for start in range(self.head, n_rows - self.tail, size):
+            yield start, start + size
+
+
+def _flat(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).reshape(len(x), -1).view(np.uint8)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row, whether two arrays hold the same bytes."""
+    if not len(a):
+        return np.zeros(0, np.bool_)
+    return (_flat(a) == _flat(b)).all(1)
+
+
+def cuts(obs: np.ndarray, next_obs: np.ndarray, done: np.ndarray) -> np.ndarray:
+    """Rows ``i`` after which the stream breaks: ``i + 1`` starts another run.
+
+    Examples:
+        >>> obs = np.array([0, 1, 2, 10, 11, 12.0])
+        >>> cuts(obs, obs + 1, np.zeros(6, bool))  # 2 -> 3 is not 10
+        array([2])
+    """
+    follows = _same(next_obs[:-1], obs[1:])
+    return np.flatnonzero(~follows & ~done[:-1])
+
+
+def recover(
+    obs: np.ndarray, next_obs: np.ndarray, done: np.ndarray, chunk: int = 1, wrapped: bool = False
+) -> Streams:
+    """Recovers ``T``, ``E`` and the head of rows in write order.
+
+    Args:
+        obs: the observations, ``[N, ...]`` rows in write order.
+        next_obs: the next observations, same shape.
+        done: ``[N]`` bool.
+        chunk: rows per storage slot (``T`` of a chunked storage; 1 for rows).
+        wrapped: the rows come from a full circular buffer, so the last
+            batch is whole and the first may not be.
+
+    Returns:
+        The layout. One env (``E = 1``) when nothing shows another.
+
+    Examples:
+        >>> # two envs, batches of 3 steps: env 0 counts 0.., env 1 counts 100..
+        >>> t = np.arange(6.0)
+        >>> obs = np.stack([t[0:3], 100 + t[0:3], t[3:6], 100 + t[3:6]]).reshape(-1)
+        >>> s = recover(obs, obs + 1, np.zeros(12, bool))
+        >>> s.steps, s.envs, s.head, s.tail
+        (3, 2, 0, 0)
+        >>> s = recover(obs[2:], obs[2:] + 1, np.zeros(10, bool), wrapped=True)
+        >>> s.head, s.head_runs  # the rest of a batch: 1 row of env 0, 3 of env 1
+        (4, ((0, 0, 1), (1, 1, 4)))
+    """
+    n = len(obs)
+    starts = cuts(obs, next_obs, done) + 1
+    if chunk > 1:
+        steps, offset = chunk, 0
+    elif len(starts) >= 2:
+        steps = int(np.gcd.reduce(np.diff(starts)))
+        offset = int(starts[0] % steps)
+    elif len(starts) == 1:
+        steps, offset = max(int(starts[0]), n - int(starts[0])), 0
+        offset = int(starts[0] % steps)
+    else:
+        return Streams(n, 1, 0, (), 0, (0, 0))
+    first = np.arange(offset, n - steps + 1, steps)
+    envs, evidence = _period(obs, next_obs, done, first, first + steps - 1)
+    if not envs:  # no period: rows of several envs mixed in no order found
+        return Streams(n, 1, 0, (), 0, (0, 0), found=False)
+    size = steps * envs
+    head, tail = (n % size, 0) if wrapped else (0, n % size)
+    runs, stop, env = [], head, envs - 1
+    while stop > 0:  # the head, from its end: env E-1, E-2, ...
+        runs.append((env, max(stop - steps, 0), stop))
+        stop, env = stop - steps, env - 1
+    return Streams(steps, envs, head, tuple(reversed(runs)), tail, evidence)
+
+
+def _period(obs, next_obs, done, first, last) -> tuple[int, tuple]:
+    """The smallest E such that run k + E continues run k, for every k.
+
+    Returns ``(E, (pairs that continue, pairs that could be checked))``;
+    E is 0 when no period fits.
+    """
+    n_runs = len(first)
+    for envs in range(1, max(n_runs, 1)):
+        a, b = last[:-envs], first[envs:]
+        open_ = ~done[a]
+        ok = _same(next_obs[a][open_], obs[b][open_])
+        if open_.any() and ok.all():
+            return envs, (int(ok.sum()), int(open_.sum()))
+    return (1, (0, 0)) if n_runs <= 1 else (0, (0, 0))

@@ -1,0 +1,92 @@
+"""The command line: ``cleanbuf audit PATH`` and ``cleanbuf clean SRC DST``.
+
+Exit status: 0 when the data is clean (audit) or was cleaned (clean), 1
+when the audit found artifacts, 2 on an error (the message on stderr), so
+that ``cleanbuf audit`` can guard a pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cleanbuf._errors import CleanbufError
+from cleanbuf._options import LOST_POLICIES, MODES
+
+EXAMPLES = """examples:
+  cleanbuf audit runs/rb_dump
+  cleanbuf audit runs/rb_dump --json
+  cleanbuf clean runs/rb_dump runs/rb_clean
+  cleanbuf clean data.npz clean.npz --on-lost-terminal-obs drop
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cleanbuf",
+        description="Audit and clean auto-reset artifacts in RL transitions on disk: a TorchRL "
+        "replay-buffer dump (rb.dumps), a TensorDict memmap directory or a .npz file.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    audit = sub.add_parser("audit", help="report the artifacts; exit 1 if there are any")
+    audit.add_argument("path")
+    audit.add_argument("--json", action="store_true", help="print the report as JSON")
+    clean = sub.add_parser("clean", help="write a cleaned copy of SRC to DST (same format)")
+    clean.add_argument("src")
+    clean.add_argument("dst")
+    clean.add_argument("--force", action="store_true", help="replace DST if it exists")
+    clean.add_argument("--mode", choices=MODES, help="the producer's mode (default: audited)")
+    clean.add_argument(
+        "--joint-reset", action="store_true", default=None, help="TorchRL GymEnv joint resets"
+    )
+    clean.add_argument(
+        "--on-lost-terminal-obs",
+        choices=LOST_POLICIES,
+        help="rows whose terminal observation is lost: nan (default), drop, raise, keep",
+    )
+    clean.add_argument("--no-progress", action="store_true", help="no progress bar")
+    clean.add_argument("--json", action="store_true", help="print the stats as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit status."""
+    from cleanbuf.offline import audit, clean_dataset
+
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "audit":
+            report = audit(args.path)
+            print(report.to_json() if args.json else report)
+            return 0 if report.clean else 1
+        options = {}
+        if args.mode is not None:
+            options["mode"] = args.mode
+        if args.joint_reset:
+            options["joint_reset"] = True
+        if args.on_lost_terminal_obs is not None:
+            options["on_lost_terminal_obs"] = args.on_lost_terminal_obs
+        done = clean_dataset(
+            args.src, args.dst, force=args.force, progress=not args.no_progress, **options
+        )
+        stats, report = done.stats, done.report
+        if args.json:
+            print(json.dumps({"stats": stats, "audit": report.to_dict()}, indent=1))
+        else:
+            print(f"cleaned {args.src} -> {args.dst}")
+            for k, v in stats.items():
+                print(f"  {k:22s}{v}")
+        return 0
+    except (CleanbufError, OSError) as err:
+        print(f"cleanbuf {args.command}: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"cleanbuf {args.command}: interrupted; nothing was written", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
