@@ -26,11 +26,10 @@ import tempfile
 from typing import Any
 
 import numpy as np
-import torch
 
 from cleanbuf._errors import InputError
 from cleanbuf.offline._formats import Dataset, from_buffer, read
-from cleanbuf.offline._streams import Streams, recover
+from cleanbuf.offline._streams import Rows, Streams, recover, same_per_row
 
 _DONE_KEYS = (("next", "done"), ("next", "terminated"))
 _NOT_OBS = {"done", "terminated", "truncated", "reward", "is_init", "step_count", "traj_ids"}
@@ -55,15 +54,6 @@ def observation_key(data) -> tuple:
         f"no observation key stored with its ('next', ...) twin among {sorted(keys, key=str)}; "
         "an audit needs each row's observation and next observation."
     )
-
-
-def _column(ds: Dataset, key: tuple) -> np.ndarray:
-    """One key for every row in write order, ``[N, ...]`` (read once)."""
-    x = ds.data.get(key)
-    if not np.array_equal(ds.order, np.arange(len(ds.order))):
-        x = x[torch.as_tensor(ds.order)]
-    x = x.numpy() if hasattr(x, "numpy") else np.asarray(x)
-    return x.reshape(-1, *x.shape[ds.data.batch_dims :])
 
 
 @dataclasses.dataclass
@@ -216,21 +206,28 @@ def stream_positions(streams: Streams, n: int) -> list[np.ndarray]:
     return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
 
 
-def _ends(obs, next_obs, done, reward, positions) -> dict:
-    """Counts over the episode ends of one env's rows (time order)."""
-    d = positions[:-1][done[positions[:-1]]]  # done rows with a row after them
-    after = positions[1:][done[positions[:-1]]]
-    width = int(np.prod(obs.shape[1:], dtype=np.int64))
-    flat_next = next_obs[d].reshape(len(d), width)
+def _ends(rows: Rows, reward: np.ndarray, positions: np.ndarray) -> dict:
+    """Counts over the episode ends of one env's rows (time order).
+
+    Every done row's next observation is read (zeros, NaN); those with a
+    row after them are also compared with it (reset row, same-step).
+    """
+    done = rows.done
+    d = positions[done[positions]]
+    flat_next = _flat(rows.next_obs(d))
     nan = np.isnan(flat_next).any(1) if flat_next.dtype.kind == "f" else np.zeros(len(d), bool)
     zero = ~nan & (flat_next == 0).all(1)
-    same = (flat_next.view(np.uint8) == obs[after].reshape(len(d), width).view(np.uint8)).all(1)
-    reset = (reward[after] == 0) & ~done[after]
+    has_next = np.zeros(len(d), np.bool_)  # the last row of the env has none
+    has_next[: len(d) - int(len(positions) and done[positions[-1]])] = True
+    after = positions[np.flatnonzero(done[positions[:-1]]) + 1]  # the rows after them
+    same = np.zeros(len(d), np.bool_)
+    reset = np.zeros(len(d), np.bool_)
+    same[has_next] = same_per_row(flat_next[has_next], rows.obs(after))
+    reset[has_next] = (reward[after] == 0) & ~done[after]
     # A raw next-step loop stores the terminal state twice (done row's next
     # observation and reset row's observation): 'same' and 'reset' at once.
     return {
-        "ends": len(d),
-        "last_done": int(done[positions[-1]]) if len(positions) else 0,
+        "ends": int(has_next.sum()),
         "reset": int(reset.sum()),
         "zero": int(zero.sum()),
         "nan": int(nan.sum()),
@@ -238,6 +235,10 @@ def _ends(obs, next_obs, done, reward, positions) -> dict:
         "recoverable": int(((zero | nan) & reset).sum()),
         "lost_no_reset": int(((zero | nan) & ~reset).sum()),
     }
+
+
+def _flat(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).reshape(len(x), -1)
 
 
 def audit(source: Any) -> Report:
@@ -274,16 +275,26 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
             f"('next', 'reward'); the keys are {sorted(data.keys(True, True), key=str)}."
         )
     key = observation_key(data)
-    obs, next_obs = _column(ds, key), _column(ds, ("next", *key))
-    done = _column(ds, done_key).reshape(len(obs), -1).any(1)
-    reward = _column(ds, ("next", "reward")).reshape(len(obs), -1)[:, 0]
-    n = len(obs)
-    streams = recover(obs, next_obs, done, ds.chunk, ds.wrapped)
+    n = ds.n_rows
+    every = np.arange(n)
+    done = ds.column(done_key, every).reshape(n, -1).any(1)
+    reward = ds.column(("next", "reward"), every).reshape(n, -1)[:, 0]
+    rows = Rows(
+        n,
+        done,
+        lambda p: ds.column(key, p),
+        lambda p: ds.column(("next", *key), p),
+    )
+    streams = recover(rows, ds.chunk, ds.wrapped)
     totals: dict[str, int] = {}
+    first_of_episode = np.zeros(n, np.bool_)  # the rows after a done row
     for positions in stream_positions(streams, n):
-        for k, v in _ends(obs, next_obs, done, reward, positions).items():
+        first_of_episode[positions[1:][done[positions[:-1]]]] = True
+        for k, v in _ends(rows, reward, positions).items():
             totals[k] = totals.get(k, 0) + v
-    mode, joint, confidence, why = _verdict(totals, reward, done)
+    others = ~done & ~first_of_episode
+    totals["zero_reward_rate"] = float(np.mean(reward[others] == 0)) if others.any() else 1.0
+    mode, joint, confidence, why = _verdict(totals)
     if not streams.found:
         confidence, why = "low", why + "; env layout not recovered"
     reset_rows = totals.get("reset", 0) if mode == "next_step" else 0
@@ -310,12 +321,16 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
     return report, streams
 
 
-def _verdict(t: dict, reward: np.ndarray, done: np.ndarray) -> tuple[str, bool, str, str]:
-    """The producer's mode from the episode-end counts, and how sure it is."""
+def _verdict(t: dict) -> tuple[str, bool, str, str]:
+    """The producer's mode from the episode-end counts, and how sure it is.
+
+    A reset row is told by its reward of 0: the verdict is sure only when
+    the other rows (not done, not after a done row) rarely have reward 0.
+    """
     ends = t.get("ends", 0)
     if not ends:
         return "disabled", False, "low", "no episode end with a row after it"
-    zero_rate = float(np.mean(reward[~done] == 0)) if (~done).any() else 1.0
+    zero_rate = t["zero_reward_rate"]
     reset, same = t["reset"], t["same_not_reset"]
     lost_alone = t["lost_no_reset"] if t["zero"] else 0  # NaN alone: marked already
     if reset >= same and reset > 0:

@@ -46,14 +46,6 @@ class Cleaned:
     rows: TensorDictBase | None = None
 
 
-def _rows_at(ds: Dataset, positions: np.ndarray) -> TensorDictBase:
-    """The rows at ``positions`` (in write order), in memory."""
-    if ds.chunk == 1:
-        return ds.data[torch.as_tensor(ds.order[positions])]
-    slots = torch.as_tensor(ds.order[positions // ds.chunk])
-    return ds.data[slots, torch.as_tensor(positions % ds.chunk)]
-
-
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None
@@ -130,7 +122,7 @@ def clean_dataset(
             pieces = [(s, min(s + size, n), False) for s in range(0, n, size)]
             loose = []
         if loose:  # joint resets need whole batches: the rest is stored as it was
-            rows = _rows_at(ds, np.asarray(loose))
+            rows = ds.rows(np.asarray(loose))
             writer.write(rows)
             stats["rows_in"] += len(loose)
             stats["rows_out"] += len(loose)
@@ -138,10 +130,10 @@ def clean_dataset(
         for start, stop, aligned in pieces:
             pos = np.arange(start, stop)
             if aligned:
-                batch = _rows_at(ds, pos).reshape(streams.envs, streams.steps)
+                batch = ds.rows(pos).reshape(streams.envs, streams.steps)
             else:
                 pos = pos[~np.isin(pos, skip)] if len(skip) else pos
-                batch = _rows_at(ds, pos)
+                batch = ds.rows(pos)
                 batch.set(ENV_KEY, torch.as_tensor(env_of[pos]))
             out = cleaner(batch)
             writer.write(out.exclude(ENV_KEY))
@@ -182,7 +174,7 @@ def _orphans(ds: Dataset, report: Report, positions: list) -> np.ndarray:
     for pos in positions:
         if not len(pos):
             continue
-        row = _rows_at(ds, pos[:1])
+        row = ds.rows(pos[:1])
         done = row.get(("next", "done"), row.get(("next", "terminated"), None))
         if float(row["next", "reward"].reshape(-1)[0]) == 0 and not bool(done.any()):
             out.append(int(pos[0]))

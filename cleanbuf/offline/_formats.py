@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -60,10 +61,24 @@ class Dataset:
         """Time steps per slot: 1 for rows, ``T`` for ``[N, T]`` chunks."""
         return int(self.data.shape[1]) if self.data.batch_dims > 1 else 1
 
-    def rows(self, slots: np.ndarray) -> TensorDictBase:
-        """The slots ``slots`` (storage indices) as rows, in memory."""
-        part = self.data[torch.as_tensor(slots)]
-        return part.reshape(-1) if part.batch_dims > 1 else part
+    @property
+    def n_rows(self) -> int:
+        """The number of valid rows."""
+        return len(self.order) * self.chunk
+
+    def _index(self, positions: np.ndarray) -> tuple:
+        if self.chunk == 1:
+            return (torch.as_tensor(self.order[positions]),)
+        slots = torch.as_tensor(self.order[positions // self.chunk])
+        return slots, torch.as_tensor(positions % self.chunk)
+
+    def rows(self, positions: np.ndarray) -> TensorDictBase:
+        """The rows at ``positions`` (in write order), in memory."""
+        return self.data[self._index(positions)]
+
+    def column(self, key: tuple, positions: np.ndarray) -> np.ndarray:
+        """One key of the rows at ``positions`` (in write order), as numpy."""
+        return self.data.get(key)[self._index(positions)].numpy()
 
 
 def _json(path: str) -> dict:
@@ -74,7 +89,35 @@ def _json(path: str) -> dict:
         raise InputError(f"cannot read {path}: {err}") from err
 
 
+def _check_sizes(path: str) -> None:
+    """Checks, before tensordict opens them, that the memmap files hold their tensors.
+
+    ``TensorDict.load_memmap`` would grow a truncated file to its size with
+    zeros, which both hides the damage and writes into the source.
+    """
+    for folder, _, files in os.walk(path):
+        if "meta.json" not in files:
+            continue
+        meta = _json(os.path.join(folder, "meta.json"))
+        for name, entry in meta.items():
+            if not isinstance(entry, dict) or "shape" not in entry or "dtype" not in entry:
+                continue
+            dtype = getattr(torch, str(entry["dtype"]).replace("torch.", ""), None)
+            filename = os.path.join(folder, f"{name}.memmap")
+            if dtype is None or not os.path.exists(filename):
+                continue
+            need = math.prod(entry["shape"]) * dtype.itemsize
+            have = os.path.getsize(filename)
+            if have < need:
+                raise InputError(
+                    f"{filename} (shape {entry['shape']}, {entry['dtype']}) holds {have} bytes "
+                    f"of the {need} its tensor needs: the directory is truncated or partly "
+                    "copied. Copy it again."
+                )
+
+
 def _load_memmap(path: str) -> TensorDictBase:
+    _check_sizes(path)
     try:
         return TensorDict.load_memmap(path)
     except Exception as err:  # tensordict raises many kinds on a bad directory
@@ -232,7 +275,7 @@ class Writer:
         if self.fmt == DUMP:
             self.rb.dumps(out)
         elif self.fmt == MEMMAP:
-            self.rb[: len(self.rb)].memmap(out)
+            self.rb[: len(self.rb)].memmap(out, copy_existing=True)
         else:
             rows = self.rb[: len(self.rb)]
             out = os.path.join(self.tmp, "out.npz")

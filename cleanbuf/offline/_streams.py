@@ -63,34 +63,59 @@ def _flat(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x).reshape(len(x), -1).view(np.uint8)
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def same_per_row(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Per row, whether two arrays hold the same bytes."""
     if not len(a):
         return np.zeros(0, np.bool_)
     return (_flat(a) == _flat(b)).all(1)
 
 
-def cuts(obs: np.ndarray, next_obs: np.ndarray, done: np.ndarray) -> np.ndarray:
+class Rows:
+    """Observations and next observations of rows in write order, read on demand.
+
+    Attributes:
+        n: the number of rows.
+        done: ``[N]`` bool (small: read whole).
+        obs, next_obs: ``positions -> [len, ...]`` arrays of those rows.
+        block: rows read at a time when scanning them all.
+    """
+
+    def __init__(self, n, done, obs, next_obs, block: int = 4096):
+        self.n, self.done, self.obs, self.next_obs, self.block = n, done, obs, next_obs, block
+
+    @classmethod
+    def of_arrays(cls, obs: np.ndarray, next_obs: np.ndarray, done: np.ndarray) -> Rows:
+        """Rows held in memory."""
+        return cls(len(obs), done, obs.__getitem__, next_obs.__getitem__)
+
+    def follows(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Per pair, whether row ``b`` continues row ``a`` (bytes)."""
+        return same_per_row(self.next_obs(a), self.obs(b))
+
+
+def cuts(rows: Rows) -> np.ndarray:
     """Rows ``i`` after which the stream breaks: ``i + 1`` starts another run.
+
+    Scans the rows a block at a time.
 
     Examples:
         >>> obs = np.array([0, 1, 2, 10, 11, 12.0])
-        >>> cuts(obs, obs + 1, np.zeros(6, bool))  # 2 -> 3 is not 10
+        >>> cuts(Rows.of_arrays(obs, obs + 1, np.zeros(6, bool)))  # 2 -> 3 is not 10
         array([2])
     """
-    follows = _same(next_obs[:-1], obs[1:])
-    return np.flatnonzero(~follows & ~done[:-1])
+    out = []
+    for lo in range(0, rows.n - 1, rows.block):
+        a = np.arange(lo, min(lo + rows.block, rows.n - 1))
+        broken = ~rows.follows(a, a + 1) & ~rows.done[a]
+        out.append(a[broken])
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def recover(
-    obs: np.ndarray, next_obs: np.ndarray, done: np.ndarray, chunk: int = 1, wrapped: bool = False
-) -> Streams:
+def recover(rows: Rows, chunk: int = 1, wrapped: bool = False) -> Streams:
     """Recovers ``T``, ``E`` and the head of rows in write order.
 
     Args:
-        obs: the observations, ``[N, ...]`` rows in write order.
-        next_obs: the next observations, same shape.
-        done: ``[N]`` bool.
+        rows: the rows, in write order.
         chunk: rows per storage slot (``T`` of a chunked storage; 1 for rows).
         wrapped: the rows come from a full circular buffer, so the last
             batch is whole and the first may not be.
@@ -102,27 +127,27 @@ def recover(
         >>> # two envs, batches of 3 steps: env 0 counts 0.., env 1 counts 100..
         >>> t = np.arange(6.0)
         >>> obs = np.stack([t[0:3], 100 + t[0:3], t[3:6], 100 + t[3:6]]).reshape(-1)
-        >>> s = recover(obs, obs + 1, np.zeros(12, bool))
+        >>> s = recover(Rows.of_arrays(obs, obs + 1, np.zeros(12, bool)))
         >>> s.steps, s.envs, s.head, s.tail
         (3, 2, 0, 0)
-        >>> s = recover(obs[2:], obs[2:] + 1, np.zeros(10, bool), wrapped=True)
+        >>> s = recover(Rows.of_arrays(obs[2:], obs[2:] + 1, np.zeros(10, bool)), wrapped=True)
         >>> s.head, s.head_runs  # the rest of a batch: 1 row of env 0, 3 of env 1
         (4, ((0, 0, 1), (1, 1, 4)))
     """
-    n = len(obs)
-    starts = cuts(obs, next_obs, done) + 1
+    n = rows.n
+    starts = cuts(rows) + 1
     if chunk > 1:
         steps, offset = chunk, 0
     elif len(starts) >= 2:
         steps = int(np.gcd.reduce(np.diff(starts)))
         offset = int(starts[0] % steps)
     elif len(starts) == 1:
-        steps, offset = max(int(starts[0]), n - int(starts[0])), 0
+        steps = n - int(starts[0]) if wrapped else int(starts[0])
         offset = int(starts[0] % steps)
     else:
         return Streams(n, 1, 0, (), 0, (0, 0))
     first = np.arange(offset, n - steps + 1, steps)
-    envs, evidence = _period(obs, next_obs, done, first, first + steps - 1)
+    envs, evidence = _period(rows, first, first + steps - 1)
     if not envs:  # no period: rows of several envs mixed in no order found
         return Streams(n, 1, 0, (), 0, (0, 0), found=False)
     size = steps * envs
@@ -134,17 +159,33 @@ def recover(
     return Streams(steps, envs, head, tuple(reversed(runs)), tail, evidence)
 
 
-def _period(obs, next_obs, done, first, last) -> tuple[int, tuple]:
+MAX_ENVS = 1024  # the largest env count looked for
+
+
+def _period(rows: Rows, first: np.ndarray, last: np.ndarray) -> tuple[int, tuple]:
     """The smallest E such that run k + E continues run k, for every k.
+
+    Each candidate is tried on its first pairs, and the one that passes is
+    checked on all of them, a block at a time (the reads stay bounded).
 
     Returns ``(E, (pairs that continue, pairs that could be checked))``;
     E is 0 when no period fits.
     """
     n_runs = len(first)
-    for envs in range(1, max(n_runs, 1)):
+    for envs in range(1, min(n_runs, MAX_ENVS + 1)):
         a, b = last[:-envs], first[envs:]
-        open_ = ~done[a]
-        ok = _same(next_obs[a][open_], obs[b][open_])
-        if open_.any() and ok.all():
-            return envs, (int(ok.sum()), int(open_.sum()))
+        good, seen = _continue(rows, a[:64], b[:64])
+        if seen and good == seen:  # a candidate: check every pair
+            ok, checked = 0, 0
+            for lo in range(0, len(a), rows.block):
+                good, seen = _continue(rows, a[lo : lo + rows.block], b[lo : lo + rows.block])
+                ok, checked = ok + good, checked + seen
+            if checked and ok == checked:
+                return envs, (ok, checked)
     return (1, (0, 0)) if n_runs <= 1 else (0, (0, 0))
+
+
+def _continue(rows: Rows, a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
+    """(pairs where run b continues run a, pairs checked: a not done)."""
+    open_ = ~rows.done[a]
+    return int(rows.follows(a[open_], b[open_]).sum()), int(open_.sum())

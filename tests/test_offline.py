@@ -1,0 +1,338 @@
+"""Standalone: audit and clean data already on disk, made by real collectors and loops.
+
+Each dataset is written without the filter, by a real TorchRL collector or
+a raw Gymnasium loop, dumped with ``rb.dumps``; the same batches also go
+through the filter at write time. The audit must find the artifacts the
+filter found, and ``cleanbuf clean`` must store, env by env, what the
+filter stored.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.collectors import Collector
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
+
+import cleanbuf
+from cleanbuf import AutoresetFilter, InputError
+from cleanbuf.offline import audit, clean_dataset
+from cleanbuf.offline.cli import main
+from tests.batches import assert_same_rows
+from tests.loops import ENVS, run_loop
+from tests.oracle import STREAM, make_env, streams_from_rows
+
+E, T, BATCHES = 4, 16, 12
+
+
+def _policy(td):
+    """Deterministic, and different per env so that episodes end at different
+    steps (no joint reset): push right when (step + env) % 3 == 0. Tags each
+    row with its env.
+    """
+    batch = td.batch_size
+    env = torch.arange(batch[-1]).expand(batch)
+    right = ((td["step_count"].squeeze(-1) + env) % 3 == 0).long()
+    td.set("action", torch.nn.functional.one_hot(right, 2))
+    td.set(STREAM, env.clone())
+    return td
+
+
+def _run(replay_buffer, max_episode_steps):
+    env = make_env("CartPole-v1", E, max_episode_steps)
+    collector = Collector(
+        env,
+        _policy,
+        frames_per_batch=E * T,
+        total_frames=E * T * BATCHES,
+        replay_buffer=replay_buffer,
+    )
+    try:
+        return [b.clone() for b in collector if b is not None]
+    finally:
+        collector.shutdown()
+        env.close()
+
+
+def _collect(storage=None, max_episode_steps=None):
+    """12 [4, 16] CartPole batches of GymEnv(num_envs=4), seeded: returned,
+    and written by the collector itself into a buffer on ``storage`` (as
+    [T]-step chunks) when given, from a second, identical run.
+    """
+    rb = None if storage is None else ReplayBuffer(storage=storage)
+    if rb is not None:
+        _run(rb, max_episode_steps)
+    return rb, _run(None, max_episode_steps)
+
+
+def _filtered(batches, **options):
+    """What the filter stores at write time from the same batches."""
+    filt = AutoresetFilter("next_step", **options)
+    rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
+    for b in batches:
+        rb.extend(b)
+    filt.flush(rb)
+    return rb[: len(rb)], filt.stats
+
+
+def _dump(rb, tmp_path, name="src"):
+    path = str(tmp_path / name)
+    rb.dumps(path)
+    return path
+
+
+def _tuple(key):
+    return key if isinstance(key, tuple) else (key,)
+
+
+def _name(key):
+    """A TensorDict key as a .npz array name: nested keys joined by '/'."""
+    return "/".join(key) if isinstance(key, tuple) else key
+
+
+def _assert_streams(got, want, suffix=False):
+    """Per env, the cleaned rows equal the filter's (or, for a wrapped buffer,
+    its last rows: the buffer lost the first ones).
+    """
+    got, want = streams_from_rows(got), streams_from_rows(want)
+    assert set(got) == set(want)
+    for e in want:
+        g = got[e]
+        w = want[e][len(want[e]) - len(g) :] if suffix else want[e]
+        if suffix:
+            # The reset row that told how the first, partial episode's step
+            # counts are shifted was overwritten: only that episode's are
+            # left as stored (a documented limit).
+            start = int(w["is_init"].reshape(-1).nonzero()[0])
+            keys = [k for k in w.keys(True, True) if "step_count" not in _tuple(k)]
+            assert_same_rows(g[:start].select(*keys), w[:start].select(*keys), f"env {e}")
+            g, w = g[start:], w[start:]
+        assert_same_rows(g, w, f"env {e}")
+
+
+@pytest.mark.parametrize("storage", [LazyTensorStorage, LazyMemmapStorage])
+def test_collector_chunks(storage, tmp_path):
+    """Collector(replay_buffer=rb) on a plain storage stores [T]-step chunks,
+    one env each. Bugs caught: chunks read as flat rows of one stream (reset
+    rows of one env glued to another's episodes), the env order of the
+    chunks not recovered, reset rows or zero-filled terminal observations
+    left, counts that differ from what the filter finds.
+    """
+    rb, batches = _collect(storage(1000))
+    want, stats = _filtered(batches)
+    assert stats["reset_rows_dropped"] > 10 and stats["terminal_obs_missing"] == 0
+    src = _dump(rb, tmp_path)
+    report = audit(src)
+    assert (report.envs, report.steps, report.mode, report.joint_reset) == (
+        E,
+        T,
+        "next_step",
+        False,
+    )
+    assert report.reset_rows == stats["reset_rows_dropped"]
+    assert report.recoverable == report.next_obs_zero == stats["next_obs_restitched"]
+    assert not report.clean and report.confidence == "high"
+    done = clean_dataset(src, str(tmp_path / "dst"))
+    out = ReplayBuffer(storage=storage(1000 * T))
+    out.loads(str(tmp_path / "dst"))
+    _assert_streams(out[: len(out)], want)
+    assert {k: done.stats[k] for k in stats} == stats
+    assert audit(str(tmp_path / "dst")).clean
+
+
+def test_flat_rows_and_npz_and_memmap(tmp_path):
+    """rb.extend(batch.reshape(-1)): runs of T rows, env by env; the same
+    rows as a .npz file and as a TensorDict memmap directory. Bugs caught:
+    the run length or env count not recovered from flat rows, a format
+    written back in another format, a cleaned dump that rb.loads cannot read.
+    """
+    _, batches = _collect()
+    want, stats = _filtered(batches)
+    rows = torch.cat([b.reshape(-1) for b in batches])
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000))
+    rb.extend(rows)
+    src = _dump(rb, tmp_path)
+    npz = str(tmp_path / "src.npz")
+    np.savez(npz, **{_name(k): v.numpy() for k, v in rows.items(True, True)})
+    mm = str(tmp_path / "src_memmap")
+    rows.memmap(mm)
+    for path, dst in ((src, "dst"), (npz, "dst.npz"), (mm, "dst_memmap")):
+        report = audit(path)
+        assert (report.envs, report.steps, report.reset_rows) == (
+            E,
+            T,
+            stats["reset_rows_dropped"],
+        ), path
+        clean_dataset(path, str(tmp_path / dst))
+    out = ReplayBuffer(storage=LazyTensorStorage(10_000))
+    out.loads(str(tmp_path / "dst"))
+    _assert_streams(out[: len(out)], want)
+    arrays = np.load(str(tmp_path / "dst.npz"))
+    from_npz = TensorDict(
+        {tuple(k.split("/")): torch.from_numpy(arrays[k]) for k in arrays.files},
+        batch_size=[len(arrays["done"])],
+    )
+    _assert_streams(from_npz, want)
+    _assert_streams(TensorDict.load_memmap(str(tmp_path / "dst_memmap")), want)
+
+
+@pytest.mark.parametrize("chunks", [True, False], ids=["chunks", "flat rows"])
+def test_wrapped_buffer(chunks, tmp_path):
+    """A full circular buffer whose capacity is not a whole number of
+    batches: it starts at the writer's cursor, inside a batch. Bugs caught:
+    rows read in slot order (the oldest after the newest), the head (the
+    rest of an overwritten batch) given to the wrong envs, a reset row at
+    the start of an env's rows (its done row overwritten) kept.
+    """
+    capacity = 30 if chunks else 700  # 30 slots of 16 steps; 700 rows: 700 % 64 = 60
+    rb, batches = _collect(LazyTensorStorage(capacity) if chunks else None)
+    if not chunks:
+        rb = ReplayBuffer(storage=LazyTensorStorage(capacity))
+        for b in batches:
+            rb.extend(b.reshape(-1))
+    want, stats = _filtered(batches)
+    src = _dump(rb, tmp_path)
+    report = audit(src)
+    assert report.wrapped and report.head == (capacity * (T if chunks else 1)) % (E * T)
+    assert (report.envs, report.steps) == (E, T)
+    done = clean_dataset(src, None)
+    _assert_streams(done.rows, want, suffix=True)
+    s = done.stats
+    assert s["rows_in"] == s["rows_out"] + s["reset_rows_dropped"] + s["orphan_reset_rows"]
+
+
+def test_joint_resets_are_found_and_marked(tmp_path):
+    """A 6-step time limit: every episode ends by truncation, all envs on
+    the same step, so TorchRL resets them together and stores zeros as
+    their terminal observations. Bugs caught: zeros taken for states (an
+    audit that calls the data clean), the next episode's first row dropped
+    as a reset row.
+    """
+    _, batches = _collect(max_episode_steps=6)
+    want, stats = _filtered(batches, joint_reset=True)
+    assert stats["terminal_obs_missing"] > 0
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000))
+    for b in batches:
+        rb.extend(b.reshape(-1))
+    report = audit(rb)
+    assert report.joint_reset and report.lost == stats["terminal_obs_missing"]
+    rows, got = cleanbuf.clean(rb, return_stats=True)
+    _assert_streams(rows, want)
+    assert got["terminal_obs_missing"] == stats["terminal_obs_missing"]
+
+
+def test_raw_gymnasium_next_step_loop(tmp_path):
+    """A raw next-step loop whose rows ([E] per step) were extended into a
+    plain buffer: runs of one row. Bugs caught: T = 1 data taken as one
+    stream, the raw loop's terminal observation (stored twice) taken for a
+    same-step artifact.
+    """
+    name, kwargs, policy = ENVS["CartPole-terminates"]
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000))
+    venv, steps = run_loop(name, kwargs, policy, E, 120, gym.vector.AutoresetMode.NEXT_STEP, rb)
+    venv.close()
+    want, stats = _filtered(steps, layout="step")
+    report = audit(rb)
+    assert (report.envs, report.steps, report.mode) == (E, 1, "next_step")
+    assert report.reset_rows == stats["reset_rows_dropped"] > 0
+    assert report.next_obs_zero == 0 and report.next_obs_is_reset == 0
+    _assert_streams(cleanbuf.clean(rb), want)
+
+
+def test_clean_data_audits_clean(tmp_path):
+    """The explicit-reset producer. Bug caught: an audit that finds reset
+    rows in clean data (a real first row with reward 0 would be one; CartPole
+    has none), or exits 1 on it.
+    """
+    env = make_env("CartPole-v1", E, disabled=True)
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000))
+    collector = Collector(env, _policy, frames_per_batch=E * T, total_frames=E * T * 6)
+    try:
+        for b in collector:
+            rb.extend(b.reshape(-1))
+    finally:
+        collector.shutdown()
+    src = _dump(rb, tmp_path)
+    report = audit(src)
+    assert report.clean and report.episodes > 5 and report.mode == "disabled"
+    assert main(["audit", src]) == 0
+
+
+def test_cli(tmp_path, capsys):
+    """Bugs caught: wrong exit codes (a pipeline guard that passes dirty
+    data), an existing DST overwritten, SRC == DST accepted, an error
+    without its message, SRC written to.
+    """
+    rb, _ = _collect(LazyTensorStorage(1000))
+    src = _dump(rb, tmp_path)
+    before = _digest(src)
+    assert main(["audit", src]) == 1
+    assert "cleanbuf clean" in capsys.readouterr().out
+    assert main(["audit", src, "--json"]) == 1
+    assert '"reset_rows"' in capsys.readouterr().out
+    dst = str(tmp_path / "dst")
+    assert main(["clean", src, dst, "--no-progress"]) == 0
+    assert "reset_rows_dropped" in capsys.readouterr().out
+    assert main(["clean", src, dst, "--no-progress"]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert main(["clean", src, src]) == 2
+    assert "same path" in capsys.readouterr().err
+    assert main(["audit", str(tmp_path / "nope")]) == 2
+    assert main(["clean", src, dst, "--force", "--no-progress"]) == 0
+    assert _digest(src) == before  # SRC is never written
+
+
+def _digest(folder):
+    """Every file's bytes under ``folder``, by relative path."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = f.read()
+    return out
+
+
+def test_bad_input_leaves_nothing(tmp_path, monkeypatch):
+    """Bugs caught: a partial DST (or a temporary directory) left after a
+    failure, an unknown format or missing keys without a message that names
+    them, a truncated memmap read as data (tensordict pads it with zeros,
+    writing into the source).
+    """
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(InputError, match="no format cleanbuf reads"):
+        audit(str(tmp_path / "notes.txt"))
+    rows = TensorDict({"observation": torch.zeros(8, 2)}, batch_size=[8])
+    np.savez(str(tmp_path / "nodone.npz"), observation=rows["observation"].numpy())
+    with pytest.raises(InputError, match=r"'next', 'done'"):
+        audit(str(tmp_path / "nodone.npz"))
+    rb, _ = _collect(LazyTensorStorage(1000))
+    src = _dump(rb, tmp_path)
+    broken = tmp_path / "broken"
+    rb.dumps(str(broken))
+    os.truncate(broken / "storage" / "observation.memmap", 10)
+    with pytest.raises(InputError, match="observation.*truncated or partly copied"):
+        audit(str(broken))
+    assert os.path.getsize(broken / "storage" / "observation.memmap") == 10
+
+    from cleanbuf import _cleaner
+
+    calls = []
+
+    def interrupted(self, td):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(self, td)
+
+    original = _cleaner.Cleaner.__call__
+    monkeypatch.setattr(_cleaner.Cleaner, "__call__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        clean_dataset(src, str(tmp_path / "dst"))
+    assert not (tmp_path / "dst").exists()
+    assert not [p for p in os.listdir(tmp_path) if "cleanbuf-tmp" in p]
