@@ -32,6 +32,7 @@ from cleanbuf.offline._formats import Dataset, from_buffer, read
 from cleanbuf.offline._streams import Rows, Streams, recover, same_per_row
 
 _DONE_KEYS = (("next", "done"), ("next", "terminated"))
+BLOCK_BYTES = 8 << 20  # observations read at a time when scanning every row
 _NOT_OBS = {"done", "terminated", "truncated", "reward", "is_init", "step_count", "traj_ids"}
 
 
@@ -279,11 +280,14 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
     every = np.arange(n)
     done = ds.column(done_key, every).reshape(n, -1).any(1)
     reward = ds.column(("next", "reward"), every).reshape(n, -1)[:, 0]
+    leaf = data.get(key)
+    row_bytes = leaf[0].numel() * leaf.element_size() if ds.chunk == 1 else leaf[0, 0].nbytes
     rows = Rows(
         n,
         done,
         lambda p: ds.column(key, p),
         lambda p: ds.column(("next", *key), p),
+        block=max(64, BLOCK_BYTES // max(row_bytes, 1)),
     )
     streams = recover(rows, ds.chunk, ds.wrapped)
     totals: dict[str, int] = {}

@@ -67,8 +67,17 @@ class Dataset:
         return len(self.order) * self.chunk
 
     def _index(self, positions: np.ndarray) -> tuple:
+        """The storage index of rows in write order.
+
+        A slice where they are consecutive slots (a view of the memory map,
+        no copy), else indices.
+        """
         if self.chunk == 1:
-            return (torch.as_tensor(self.order[positions]),)
+            slots = self.order[positions]
+            if len(slots) and slots[-1] - slots[0] == len(slots) - 1:
+                if np.array_equal(np.diff(slots), np.ones(len(slots) - 1, slots.dtype)):
+                    return (slice(int(slots[0]), int(slots[-1]) + 1),)
+            return (torch.as_tensor(slots),)
         slots = torch.as_tensor(self.order[positions // self.chunk])
         return slots, torch.as_tensor(positions % self.chunk)
 
@@ -246,8 +255,10 @@ class Writer:
     ``.DST.cleanbuf-tmp-*``).
 
     Rows go to a TorchRL ``LazyMemmapStorage`` (memory maps: the memory used
-    stays that of the rows being written), which is then dumped
-    (``rb.dumps``) or saved as a memmap directory or ``.npz``.
+    stays that of the rows being written), one slice per write, which is
+    then dumped (``rb.dumps``, the writer's cursor after the last row) or
+    saved as a memmap directory or ``.npz`` (read whole: ``.npz`` is
+    for data that fits in memory).
     """
 
     def __init__(self, fmt: str, dst: str, capacity: int, force: bool = False):
@@ -256,7 +267,7 @@ class Writer:
         dst = os.path.abspath(dst)
         if os.path.exists(dst) and not force:
             raise InputError(f"{dst} exists; pass --force (force=True) to replace it.")
-        self.fmt, self.dst = fmt, dst
+        self.fmt, self.dst, self.n = fmt, dst, 0
         parent = os.path.dirname(dst)
         os.makedirs(parent, exist_ok=True)
         self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.cleanbuf-tmp-", dir=parent)
@@ -265,26 +276,29 @@ class Writer:
         )
 
     def write(self, rows: TensorDictBase) -> None:
-        """Appends rows."""
-        if rows.batch_size[0]:
-            self.rb.extend(rows)
+        """Appends rows (a slice write: ``rb.extend`` scatters by index, 2x slower)."""
+        m = rows.batch_size[0]
+        if m:
+            self.rb.storage.set(slice(self.n, self.n + m), rows)
+            self.n += m
 
     def commit(self) -> None:
         """Finishes the dataset and moves it to ``dst``."""
         out = os.path.join(self.tmp, "out")
+        stored = self.rb.storage.get(slice(0, self.n)) if self.n else TensorDict(batch_size=[0])
         if self.fmt == DUMP:
             self.rb.dumps(out)
+            with open(os.path.join(out, "writer", "metadata.json"), "w") as f:
+                json.dump({"cursor": self.n % self.rb.storage.max_size, "write_count": self.n}, f)
         elif self.fmt == MEMMAP:
-            self.rb[: len(self.rb)].memmap(out, copy_existing=True)
+            stored.memmap(out, copy_existing=True)
         else:
-            rows = self.rb[: len(self.rb)]
             out = os.path.join(self.tmp, "out.npz")
             with open(out, "wb") as f:
-                np.savez(f, **{"/".join(_tuple(k)): v.numpy() for k, v in rows.items(True, True)})
-        if os.path.isdir(self.dst) and not os.path.islink(self.dst):
-            shutil.rmtree(self.dst)
-        elif os.path.exists(self.dst):
-            os.remove(self.dst)
+                arrays = {"/".join(_tuple(k)): v.numpy() for k, v in stored.items(True, True)}
+                np.savez(f, **arrays)
+        if os.path.lexists(self.dst):  # --force: the old one goes only now
+            os.replace(self.dst, os.path.join(self.tmp, "old"))
         os.replace(out, self.dst)
         self.abort()
 

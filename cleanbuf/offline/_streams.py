@@ -60,7 +60,9 @@ class Streams:
 
 
 def _flat(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x).reshape(len(x), -1).view(np.uint8)
+    """Rows as words: uint64 where the row's bytes allow (8x fewer compares)."""
+    x = np.ascontiguousarray(x).reshape(len(x), -1).view(np.uint8)
+    return x.view(np.uint64) if x.shape[1] % 8 == 0 else x
 
 
 def same_per_row(a: np.ndarray, b: np.ndarray) -> np.ndarray:

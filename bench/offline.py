@@ -1,0 +1,132 @@
+"""Offline cleaning of a large memmap dataset: time against a plain copy, memory, audit speed.
+
+``python -m bench.offline [--gb 2]`` writes a next-step dataset of Atari-
+sized rows (``bench/offline_data.py``) to a temporary directory, then, in
+one process, a few rounds of:
+
+* the floor: a plain chunked copy of every key to a new memmap directory
+  (the bytes read once and written once);
+* ``cleanbuf clean`` of the same dataset to a new memmap directory;
+* ``cleanbuf audit`` of it, warm (its pages already cached).
+
+It prints the median times, the clean/copy ratio, the audit's read rate
+and the peak anonymous memory of the clean over the process's baseline
+(sampled every 2 ms), against one write's rows. Not part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+
+import torch
+from tensordict import TensorDict
+
+import cleanbuf
+from bench.offline_data import FRAME, write_memmap
+from cleanbuf.offline import audit, clean_dataset
+
+ENVS, STEPS = 4, 64
+ROW_BYTES = 2 * FRAME + 8 + 4 + 1
+
+
+def _anon_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Peak:
+    """Samples the process's anonymous memory while it runs."""
+
+    def __init__(self):
+        self.peak, self._stop = 0.0, False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop:
+            self.peak = max(self.peak, _anon_mb())
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop = True
+        self._thread.join()
+
+
+def copy(src: str, dst: str, rows_per_chunk: int) -> None:
+    """The floor: every key copied chunk by chunk into a new memmap directory."""
+    data = TensorDict.load_memmap(src)
+    out = data.memmap_like(dst)
+    n = data.shape[0]
+    for lo in range(0, n, rows_per_chunk):
+        hi = min(lo + rows_per_chunk, n)
+        for key, leaf in data.items(True, True):
+            out.get(key)[lo:hi] = leaf[lo:hi]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=2.0, help="dataset size")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    batches = max(1, int(args.gb * 1e9 / (ENVS * STEPS * ROW_BYTES)))
+    root = tempfile.mkdtemp(prefix="cleanbuf-bench-")
+    try:
+        src = os.path.join(root, "src")
+        t = time.perf_counter()
+        size = write_memmap(src, batches, ENVS, STEPS)
+        print(
+            f"dataset: {size / 1e9:.2f} GB, {batches * ENVS * STEPS} rows, "
+            f"written in {time.perf_counter() - t:.0f} s"
+        )
+        times = {"copy": [], "clean": [], "audit": []}
+        peaks, base = [], _anon_mb()
+        for _ in range(args.rounds):
+            for name in ("copy", "clean"):
+                dst = os.path.join(root, name)
+                shutil.rmtree(dst, ignore_errors=True)
+                t = time.perf_counter()
+                if name == "copy":
+                    copy(src, dst, ENVS * STEPS)
+                else:
+                    with Peak() as peak:
+                        clean_dataset(src, dst)
+                    peaks.append(peak.peak - base)
+                times[name].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            audit(src)
+            times["audit"].append(time.perf_counter() - t)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        write_mb = ENVS * STEPS * ROW_BYTES / 1e6
+        print(
+            f"machine: {platform.machine()}, {os.cpu_count()} cores; python "
+            f"{platform.python_version()}, torch {torch.__version__}, cleanbuf "
+            f"{cleanbuf.__version__}"
+        )
+        print("| measure | value |")
+        print("|---|---|")
+        print(f"| plain chunked copy (floor), s | {med['copy']:.2f} |")
+        print(f"| cleanbuf clean, s | {med['clean']:.2f} |")
+        print(f"| clean / copy | {med['clean'] / med['copy']:.2f}x |")
+        print(f"| audit, warm, GB/s of the dataset | {size / 1e9 / med['audit']:.2f} |")
+        print(f"| clean: peak anonymous memory over baseline, MB | {max(peaks):.0f} |")
+        print(f"| one write's rows (a chunk), MB | {write_mb:.1f} |")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
