@@ -10,6 +10,8 @@ filter stored.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import gymnasium as gym
 import numpy as np
@@ -336,3 +338,50 @@ def test_bad_input_leaves_nothing(tmp_path, monkeypatch):
         clean_dataset(src, str(tmp_path / "dst"))
     assert not (tmp_path / "dst").exists()
     assert not [p for p in os.listdir(tmp_path) if "cleanbuf-tmp" in p]
+
+
+_MEASURE = """
+import sys, threading, time
+from cleanbuf.offline.cli import main
+
+def anon():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon"):
+                return int(line.split()[1]) / 1024
+
+peak, stop = [0.0], [False]
+
+def sample():
+    while not stop[0]:
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.002)
+
+base = anon()
+thread = threading.Thread(target=sample)
+thread.start()
+rc = main(["clean", sys.argv[1], sys.argv[2], "--no-progress"])
+stop[0] = True
+thread.join()
+print(rc, base, peak[0])
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc (Linux)")
+def test_memory_stays_bounded(tmp_path):
+    """A 217 MB dataset of Atari-sized rows, cleaned by the command line in a
+    fresh process whose anonymous memory is sampled every 2 ms. Bug
+    caught: reading a whole column (or the whole dataset) into memory, as
+    clean() on arrays does: the peak would grow by the dataset's size.
+    """
+    from bench.offline_data import write_memmap
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    size_mb = write_memmap(src, batches=60) / 1e6
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, src, dst], capture_output=True, text=True, timeout=600
+    )
+    rc, base, peak = (float(x) for x in out.stdout.split()[-3:])
+    assert rc == 0, out.stderr
+    assert peak - base < 100 < size_mb / 2, (peak - base, size_mb)
+    assert audit(dst).rows < audit(src).rows  # reset rows were dropped
