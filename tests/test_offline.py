@@ -268,7 +268,7 @@ def test_clean_data_audits_clean(tmp_path):
 def test_cli(tmp_path, capsys):
     """Bugs caught: wrong exit codes (a pipeline guard that passes dirty
     data), an existing DST overwritten, SRC == DST accepted, an error
-    without its message, SRC written to.
+    without its message, SRC written to, --plot writing no image.
     """
     rb, _ = _collect(LazyTensorStorage(1000))
     src = _dump(rb, tmp_path)
@@ -277,6 +277,9 @@ def test_cli(tmp_path, capsys):
     assert "cleanbuf clean" in capsys.readouterr().out
     assert main(["audit", src, "--json"]) == 1
     assert '"reset_rows"' in capsys.readouterr().out
+    png = tmp_path / "audit.png"
+    assert main(["audit", src, "--plot", str(png)]) == 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     dst = str(tmp_path / "dst")
     assert main(["clean", src, dst, "--no-progress"]) == 0
     assert "reset_rows_dropped" in capsys.readouterr().out

@@ -99,6 +99,7 @@ class Report:
     next_obs_nan: int
     next_obs_is_reset: int
     recoverable: int
+    details: list = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def artifacts(self) -> int:
@@ -139,7 +140,8 @@ class Report:
 
     def to_dict(self) -> dict:
         """The report as plain values (what ``--json`` prints)."""
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del out["details"]
         out.update(
             artifacts=self.artifacts, lost=self.lost, clean=self.clean, command=self.command()
         )
@@ -182,6 +184,39 @@ class Report:
         """:meth:`to_dict` as JSON."""
         return json.dumps(self.to_dict(), indent=1)
 
+    def plot(self, path: str) -> None:
+        """Draws the artifacts and the episode lengths into an image file.
+
+        Left: per env, where the reset rows and the lost terminal
+        observations are (write order). Right: the episode lengths as stored
+        and once cleaned (a reset row makes its episode one row longer).
+        Needs matplotlib.
+        """
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
+        before, after = [], []
+        for env, (positions, done_rows, reset, lost) in enumerate(self.details):
+            left.scatter(done_rows[reset], np.full(reset.sum(), env), s=8, c="tab:red")
+            left.scatter(done_rows[lost], np.full(lost.sum(), env), s=8, c="tab:gray")
+            at = np.searchsorted(positions, done_rows)  # episode ends, in the env's time
+            lengths = np.diff(at)  # whole episodes only: the first may be partial
+            before.extend(lengths.tolist())
+            after.extend((lengths - reset[:-1][: len(lengths)]).tolist())
+        left.set(xlabel="row (write order)", ylabel="env", title="reset rows (red), lost (gray)")
+        bins = np.arange(0, max(before + [1]) + 2) - 0.5
+        right.hist(before, bins=bins, alpha=0.5, label="as stored")
+        right.hist(after, bins=bins, alpha=0.5, label="cleaned")
+        right.set(xlabel="episode length (rows)", ylabel="episodes", title="episode lengths")
+        right.legend()
+        fig.suptitle(f"cleanbuf audit: {self.source}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+
 
 def stream_positions(streams: Streams, n: int) -> list[np.ndarray]:
     """Per env, its rows' positions in write order, in time order.
@@ -207,11 +242,12 @@ def stream_positions(streams: Streams, n: int) -> list[np.ndarray]:
     return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
 
 
-def _ends(rows: Rows, reward: np.ndarray, positions: np.ndarray) -> dict:
+def _ends(rows: Rows, reward: np.ndarray, positions: np.ndarray, details: list) -> dict:
     """Counts over the episode ends of one env's rows (time order).
 
     Every done row's next observation is read (zeros, NaN); those with a
     row after them are also compared with it (reset row, same-step).
+    Appends ``(done rows, followed by a reset row, lost)`` to ``details``.
     """
     done = rows.done
     d = positions[done[positions]]
@@ -227,6 +263,7 @@ def _ends(rows: Rows, reward: np.ndarray, positions: np.ndarray) -> dict:
     reset[has_next] = (reward[after] == 0) & ~done[after]
     # A raw next-step loop stores the terminal state twice (done row's next
     # observation and reset row's observation): 'same' and 'reset' at once.
+    details.append((d, reset, (zero | nan) & ~reset))
     return {
         "ends": int(has_next.sum()),
         "reset": int(reset.sum()),
@@ -292,9 +329,10 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
     streams = recover(rows, ds.chunk, ds.wrapped)
     totals: dict[str, int] = {}
     first_of_episode = np.zeros(n, np.bool_)  # the rows after a done row
+    details: list = []
     for positions in stream_positions(streams, n):
         first_of_episode[positions[1:][done[positions[:-1]]]] = True
-        for k, v in _ends(rows, reward, positions).items():
+        for k, v in _ends(rows, reward, positions, details).items():
             totals[k] = totals.get(k, 0) + v
     others = ~done & ~first_of_episode
     totals["zero_reward_rate"] = float(np.mean(reward[others] == 0)) if others.any() else 1.0
@@ -322,6 +360,9 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
         next_obs_is_reset=totals.get("same_not_reset", 0) if mode == "same_step" else 0,
         recoverable=totals.get("recoverable", 0) if mode == "next_step" else 0,
     )
+    report.details = [
+        (positions, *detail) for positions, detail in zip(stream_positions(streams, n), details)
+    ]
     return report, streams
 
 

@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     audit = sub.add_parser("audit", help="report the artifacts; exit 1 if there are any")
     audit.add_argument("path")
     audit.add_argument("--json", action="store_true", help="print the report as JSON")
+    audit.add_argument("--plot", metavar="FILE.png", help="draw the artifacts (needs matplotlib)")
     clean = sub.add_parser("clean", help="write a cleaned copy of SRC to DST (same format)")
     clean.add_argument("src")
     clean.add_argument("dst")
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "audit":
             report = audit(args.path)
             print(report.to_json() if args.json else report)
+            if args.plot:
+                report.plot(args.plot)
             return 0 if report.clean else 1
         options = {}
         if args.mode is not None:
