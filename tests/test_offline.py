@@ -72,9 +72,9 @@ def _collect(storage=None, max_episode_steps=None):
     return rb, _run(None, max_episode_steps)
 
 
-def _filtered(batches, **options):
+def _filtered(batches, mode="next_step", **options):
     """What the filter stores at write time from the same batches."""
-    filt = AutoresetFilter("next_step", **options)
+    filt = AutoresetFilter(mode, **options)
     rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=filt)
     for b in batches:
         rb.extend(b)
@@ -388,3 +388,33 @@ def test_memory_stays_bounded(tmp_path):
     assert rc == 0, out.stderr
     assert peak - base < 100 < size_mb / 2, (peak - base, size_mb)
     assert audit(dst).rows < audit(src).rows  # reset rows were dropped
+
+
+@pytest.mark.parametrize("with_info", [True, False], ids=["final obs stored", "final obs not"])
+def test_raw_gymnasium_same_step_loop(with_info):
+    """A SAME_STEP loop (Stable-Baselines3 behaves the same): each done row's
+    next observation is the next episode's first. With the final
+    observations stored (step_rows with the info), the clean puts them
+    back, as the filter does; without them they are lost, and said so.
+    Bugs caught: same-step data taken for next-step (first rows dropped as
+    reset rows), the replaced observations not counted, the stored final
+    observations not used.
+    """
+    name, kwargs, policy = ENVS["CartPole-terminates"]
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000))
+    mode = gym.vector.AutoresetMode.SAME_STEP
+    venv, steps = run_loop(name, kwargs, policy, E, 120, mode, rb, with_info=with_info)
+    venv.close()
+    report = audit(rb)
+    assert (report.envs, report.steps, report.mode, report.reset_rows) == (E, 1, "same_step", 0)
+    ends = torch.stack(steps)["next", "done"][:-1]  # done rows with a row after them
+    assert report.next_obs_is_reset == int(ends.sum()) > 0
+    if with_info:
+        want, stats = _filtered(steps, mode="same_step", layout="step")
+        _assert_streams(cleanbuf.clean(rb), want)
+        assert stats["next_obs_restitched"] == report.episodes  # the last one's too
+    else:
+        with pytest.raises(cleanbuf.TerminalObservationLostError):
+            cleanbuf.clean(rb)
+        rows, stats = cleanbuf.clean(rb, on_lost_terminal_obs="drop", return_stats=True)
+        assert stats["lost_rows_dropped"] == report.episodes
