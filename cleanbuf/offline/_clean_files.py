@@ -113,16 +113,16 @@ def clean_dataset(
         skip = _orphans(ds, report, positions) if ds.wrapped and not joint else np.zeros(0, int)
         stats["orphan_reset_rows"] = len(skip)
         if joint:
-            cleaner = _joint_cleaner(opts, report)
+            cleaner = Cleaner(Options.build(**opts, joint_reset=True, layout="time_last"))
             pieces = [(s, e, True) for s, e in streams.batches(n)]
-            loose = [p for p in range(n) if not _in_batches(p, streams, n)]
+            loose = np.r_[0 : streams.head, n - streams.tail : n]
         else:
             cleaner = Cleaner(Options.build(**opts, stream_key=ENV_KEY))
             size = streams.steps * streams.envs
             pieces = [(s, min(s + size, n), False) for s in range(0, n, size)]
-            loose = []
-        if loose:  # joint resets need whole batches: the rest is stored as it was
-            rows = ds.rows(np.asarray(loose))
+            loose = np.zeros(0, np.int64)
+        if len(loose):  # joint resets need whole batches: the rest is stored as it was
+            rows = ds.rows(loose)
             writer.write(rows)
             stats["rows_in"] += len(loose)
             stats["rows_out"] += len(loose)
@@ -152,14 +152,6 @@ def clean_dataset(
         if bar is not None:
             bar.close()
     return Cleaned(stats, report, writer.rows if dst is None else None)
-
-
-def _in_batches(p: int, streams, n: int) -> bool:
-    return streams.head <= p < n - streams.tail
-
-
-def _joint_cleaner(opts: dict, report: Report) -> Cleaner:
-    return Cleaner(Options.build(**opts, joint_reset=True, layout="time_last"))
 
 
 def _orphans(ds: Dataset, report: Report, positions: list) -> np.ndarray:
