@@ -106,7 +106,7 @@ def _assert_streams(got, want, suffix=False):
     for e in want:
         g = got[e]
         w = want[e][len(want[e]) - len(g) :] if suffix else want[e]
-        if suffix:
+        if suffix and "is_init" in w.keys():
             # The reset row that told how the first, partial episode's step
             # counts are shifted was overwritten: only that episode's are
             # left as stored (a documented limit).
@@ -123,7 +123,8 @@ def test_collector_chunks(storage, tmp_path):
     one env each. Bugs caught: chunks read as flat rows of one stream (reset
     rows of one env glued to another's episodes), the env order of the
     chunks not recovered, reset rows or zero-filled terminal observations
-    left, counts that differ from what the filter finds.
+    left, counts that differ from what the filter finds, is_init and step
+    counts of the episodes after reset rows not reported.
     """
     rb, batches = _collect(storage(1000))
     want, stats = _filtered(batches)
@@ -138,6 +139,8 @@ def test_collector_chunks(storage, tmp_path):
     )
     assert report.reset_rows == stats["reset_rows_dropped"]
     assert report.recoverable == report.next_obs_zero == stats["next_obs_restitched"]
+    # Each episode after a reset row starts without is_init, at step count 1.
+    assert report.is_init_wrong == report.step_count_wrong == report.reset_rows
     assert not report.clean and report.confidence == "high"
     done = clean_dataset(src, str(tmp_path / "dst"))
     out = ReplayBuffer(storage=storage(1000 * T))
@@ -228,22 +231,27 @@ def test_joint_resets_are_found_and_marked(tmp_path):
     assert got["terminal_obs_missing"] == stats["terminal_obs_missing"]
 
 
-def test_raw_gymnasium_next_step_loop(tmp_path):
+@pytest.mark.parametrize("capacity", [10_000, 250], ids=["whole", "wrapped"])
+def test_raw_gymnasium_next_step_loop(capacity):
     """A raw next-step loop whose rows ([E] per step) were extended into a
-    plain buffer: runs of one row. Bugs caught: T = 1 data taken as one
-    stream, the raw loop's terminal observation (stored twice) taken for a
-    same-step artifact.
+    plain buffer: runs of one row; 250 slots wrap in the middle of a step.
+    Bugs caught: T = 1 data taken as one stream, the raw loop's terminal
+    observation (stored twice) taken for a same-step artifact, the rows of
+    a wrapped buffer given to the wrong envs.
     """
     name, kwargs, policy = ENVS["CartPole-terminates"]
-    rb = ReplayBuffer(storage=LazyTensorStorage(10_000))
+    rb = ReplayBuffer(storage=LazyTensorStorage(capacity))
     venv, steps = run_loop(name, kwargs, policy, E, 120, gym.vector.AutoresetMode.NEXT_STEP, rb)
     venv.close()
     want, stats = _filtered(steps, layout="step")
     report = audit(rb)
     assert (report.envs, report.steps, report.mode) == (E, 1, "next_step")
-    assert report.reset_rows == stats["reset_rows_dropped"] > 0
     assert report.next_obs_zero == 0 and report.next_obs_is_reset == 0
-    _assert_streams(cleanbuf.clean(rb), want)
+    wrapped = capacity < E * len(steps)
+    assert report.wrapped == wrapped and report.head == (capacity % E if wrapped else 0)
+    if not wrapped:
+        assert report.reset_rows == stats["reset_rows_dropped"] > 0
+    _assert_streams(cleanbuf.clean(rb), want, suffix=wrapped)
 
 
 def test_clean_data_audits_clean(tmp_path):
@@ -306,8 +314,8 @@ def _digest(folder):
 def test_bad_input_leaves_nothing(tmp_path, monkeypatch):
     """Bugs caught: a partial DST (or a temporary directory) left after a
     failure, an unknown format or missing keys without a message that names
-    them, a truncated memmap read as data (tensordict pads it with zeros,
-    writing into the source).
+    them, arrays of different lengths zipped together, a truncated memmap
+    read as data (tensordict pads it with zeros, writing into the source).
     """
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(InputError, match="no format cleanbuf reads"):
@@ -316,6 +324,9 @@ def test_bad_input_leaves_nothing(tmp_path, monkeypatch):
     np.savez(str(tmp_path / "nodone.npz"), observation=rows["observation"].numpy())
     with pytest.raises(InputError, match=r"'next', 'done'"):
         audit(str(tmp_path / "nodone.npz"))
+    np.savez(str(tmp_path / "ragged.npz"), observation=np.zeros((8, 2)), reward=np.zeros(7))
+    with pytest.raises(InputError, match="different numbers of rows.*'reward': 7"):
+        audit(str(tmp_path / "ragged.npz"))
     rb, _ = _collect(LazyTensorStorage(1000))
     src = _dump(rb, tmp_path)
     broken = tmp_path / "broken"

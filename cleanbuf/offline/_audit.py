@@ -32,7 +32,7 @@ from cleanbuf.offline._formats import Dataset, from_buffer, read
 from cleanbuf.offline._streams import Rows, Streams, recover, same_per_row
 
 _DONE_KEYS = (("next", "done"), ("next", "terminated"))
-BLOCK_BYTES = 8 << 20  # observations read at a time when scanning every row
+BLOCK_BYTES = 2 << 20  # observations read at a time when scanning every row
 _NOT_OBS = {"done", "terminated", "truncated", "reward", "is_init", "step_count", "traj_ids"}
 
 
@@ -79,6 +79,9 @@ class Report:
             observation is the next episode's first one (same-step).
         recoverable: done rows whose terminal observation a clean restores
             (from the reset row after them).
+        is_init_wrong, step_count_wrong: episodes whose first row (after
+            the reset row, if any) lacks ``is_init`` or has a step count
+            other than 0; None when the rows have no such key.
     """
 
     source: str
@@ -99,6 +102,8 @@ class Report:
     next_obs_nan: int
     next_obs_is_reset: int
     recoverable: int
+    is_init_wrong: int | None = None
+    step_count_wrong: int | None = None
     details: list = dataclasses.field(default_factory=list, repr=False)
 
     @property
@@ -167,6 +172,9 @@ class Report:
             f"  recoverable       {self.recoverable} terminal observations (from reset rows)",
             f"  lost for good     {self.lost + self.next_obs_is_reset}",
         ]
+        for name, value in (("is_init", self.is_init_wrong), ("step_count", self.step_count_wrong)):
+            if value is not None:
+                lines.append(f"  {name + ' wrong':18s}{value} episode first rows")
         if self.clean:
             lines.append("  clean: no auto-reset artifact found")
             if self.next_obs_nan:
@@ -242,12 +250,16 @@ def stream_positions(streams: Streams, n: int) -> list[np.ndarray]:
     return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
 
 
-def _ends(rows: Rows, reward: np.ndarray, positions: np.ndarray, details: list) -> dict:
+def _ends(
+    rows: Rows, reward: np.ndarray, positions: np.ndarray, details: list, book: dict
+) -> dict:
     """Counts over the episode ends of one env's rows (time order).
 
     Every done row's next observation is read (zeros, NaN); those with a
     row after them are also compared with it (reset row, same-step).
     Appends ``(done rows, followed by a reset row, lost)`` to ``details``.
+    ``book`` holds the ``is_init`` / ``step_count`` columns present: the
+    first row of each next episode (after its reset row) is checked.
     """
     done = rows.done
     d = positions[done[positions]]
@@ -264,7 +276,15 @@ def _ends(rows: Rows, reward: np.ndarray, positions: np.ndarray, details: list) 
     # A raw next-step loop stores the terminal state twice (done row's next
     # observation and reset row's observation): 'same' and 'reset' at once.
     details.append((d, reset, (zero | nan) & ~reset))
+    at = np.flatnonzero(done[positions[:-1]]) + 1 + reset[has_next]  # episode first rows
+    first = positions[at[at < len(positions)]]
+    wrong = {}
+    if "is_init" in book:
+        wrong["is_init_wrong"] = int((~book["is_init"][first]).sum())
+    if "step_count" in book:
+        wrong["step_count_wrong"] = int((book["step_count"][first] != 0).sum())
     return {
+        **wrong,
         "ends": int(has_next.sum()),
         "reset": int(reset.sum()),
         "zero": int(zero.sum()),
@@ -330,9 +350,17 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
     totals: dict[str, int] = {}
     first_of_episode = np.zeros(n, np.bool_)  # the rows after a done row
     details: list = []
+    keys = set(_tuple(k) for k in data.keys(True, True))
+    book = {
+        name: ds.column((name,), every).reshape(n, -1)[:, 0]
+        for name in ("is_init", "step_count")
+        if (name,) in keys
+    }
+    if "is_init" in book:
+        book["is_init"] = book["is_init"].astype(bool)
     for positions in stream_positions(streams, n):
         first_of_episode[positions[1:][done[positions[:-1]]]] = True
-        for k, v in _ends(rows, reward, positions, details).items():
+        for k, v in _ends(rows, reward, positions, details, book).items():
             totals[k] = totals.get(k, 0) + v
     others = ~done & ~first_of_episode
     totals["zero_reward_rate"] = float(np.mean(reward[others] == 0)) if others.any() else 1.0
@@ -359,6 +387,9 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
         next_obs_nan=totals.get("nan", 0),
         next_obs_is_reset=totals.get("same_not_reset", 0) if mode == "same_step" else 0,
         recoverable=totals.get("recoverable", 0) if mode == "next_step" else 0,
+        # (read as one stream, rows of several envs would look wrong)
+        is_init_wrong=totals.get("is_init_wrong") if streams.found else None,
+        step_count_wrong=totals.get("step_count_wrong") if streams.found else None,
     )
     report.details = [
         (positions, *detail) for positions, detail in zip(stream_positions(streams, n), details)
