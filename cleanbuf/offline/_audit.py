@@ -250,9 +250,7 @@ def stream_positions(streams: Streams, n: int) -> list[np.ndarray]:
     return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in parts]
 
 
-def _ends(
-    rows: Rows, reward: np.ndarray, positions: np.ndarray, details: list, book: dict
-) -> dict:
+def _ends(rows: Rows, reward: np.ndarray, positions: np.ndarray, details: list, book: dict) -> dict:
     """Counts over the episode ends of one env's rows (time order).
 
     Every done row's next observation is read (zeros, NaN); those with a
