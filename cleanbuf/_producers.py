@@ -72,15 +72,14 @@ def _time_limit(vec: Any) -> tuple[str, int] | None:
     return (spec.id, int(steps)) if steps else None
 
 
-def _joint_loss_warning(vec: Any) -> str | None:
+def _joint_loss_warning(vec: Any, limit: tuple[str, int] | None) -> str | None:
     """The prediction for a TorchRL GymWrapper over a next-step vector env.
 
     TorchRL resets all its envs together when they all end on the same
     step, and their terminal observations are lost. Envs that start
-    together and never end before the time limit (fixed-horizon tasks) all
-    end on the same step, every episode.
+    together and never end before the time limit ``limit`` (fixed-horizon
+    tasks) all end on the same step, every episode.
     """
-    limit = _time_limit(vec)
     if limit is None or vec.num_envs < 2:
         return None
     name, steps = limit
@@ -219,10 +218,11 @@ def _torchrl_options(env: Any) -> Reading:
             return Reading(
                 {"mode": "disabled"}, f"GymWrapper over a {mode} vector env (TorchRL repairs it)"
             )
-        warning = _joint_loss_warning(vec)
+        limit = _time_limit(vec)
+        warning = _joint_loss_warning(vec, limit)
         why = "TorchRL GymWrapper over a next-step vector env (joint reset)"
         if warning is not None:
-            why += f"; joint resets at the {_time_limit(vec)[1]}-step time limit lose terminal obs"
+            why += f"; joint resets at the {limit[1]}-step time limit lose terminal obs"
         return Reading({"mode": "next_step", "joint_reset": True}, why, warning)
     raise CleanbufError(
         f"cannot read the auto-reset behaviour of TorchRL env {type(inner).__name__}; "
