@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CleanbufError, OSError) as err:
         print(f"cleanbuf {args.command}: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # exit 1 means "artifacts found": anything else is 2
+        print(f"cleanbuf {args.command}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"cleanbuf {args.command}: interrupted; nothing was written", file=sys.stderr)
         return 2
