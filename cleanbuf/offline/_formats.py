@@ -255,10 +255,11 @@ class Writer:
     ``.DST.cleanbuf-tmp-*``).
 
     Rows go to a TorchRL ``LazyMemmapStorage`` (memory maps: the memory used
-    stays that of the rows being written), one slice per write, which is
-    then dumped (``rb.dumps``, the writer's cursor after the last row) or
-    saved as a memmap directory or ``.npz`` (read whole: ``.npz`` is
-    for data that fits in memory).
+    stays that of the rows being written), one slice per write, whose
+    files are the output's: a dump's ``storage/`` (``rb.dumps`` then finds
+    them in place and copies nothing) or a memmap directory (cut to the
+    rows written at the end). A ``.npz`` is read whole from it: that
+    format is for data that fits in memory.
     """
 
     def __init__(self, fmt: str, dst: str, capacity: int, force: bool = False):
@@ -271,8 +272,12 @@ class Writer:
         parent = os.path.dirname(dst)
         os.makedirs(parent, exist_ok=True)
         self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.cleanbuf-tmp-", dir=parent)
+        self.out = os.path.join(self.tmp, "out")
+        rows_dir = {DUMP: os.path.join(self.out, "storage"), MEMMAP: self.out}.get(fmt)
         self.rb = ReplayBuffer(
-            storage=LazyMemmapStorage(max(capacity, 1), scratch_dir=os.path.join(self.tmp, "rows"))
+            storage=LazyMemmapStorage(
+                max(capacity, 1), scratch_dir=rows_dir or os.path.join(self.tmp, "rows")
+            )
         )
 
     def write(self, rows: TensorDictBase) -> None:
@@ -284,15 +289,19 @@ class Writer:
 
     def commit(self) -> None:
         """Finishes the dataset and moves it to ``dst``."""
-        out = os.path.join(self.tmp, "out")
-        stored = self.rb.storage.get(slice(0, self.n)) if self.n else TensorDict(batch_size=[0])
+        out = self.out
+        if not self.n:
+            raise InputError(f"no row is left to write to {self.dst}; nothing was written.")
         if self.fmt == DUMP:
             self.rb.dumps(out)
             with open(os.path.join(out, "writer", "metadata.json"), "w") as f:
                 json.dump({"cursor": self.n % self.rb.storage.max_size, "write_count": self.n}, f)
         elif self.fmt == MEMMAP:
-            stored.memmap(out, copy_existing=True)
-        else:
+            capacity = self.rb.storage.max_size
+            del self.rb  # unmap the files before they are cut
+            _cut_rows(out, capacity, self.n)
+        elif self.fmt == NPZ:
+            stored = self.rb.storage.get(slice(0, self.n))
             out = os.path.join(self.tmp, "out.npz")
             with open(out, "wb") as f:
                 arrays = {"/".join(_tuple(k)): v.numpy() for k, v in stored.items(True, True)}
@@ -305,6 +314,29 @@ class Writer:
     def abort(self) -> None:
         """Removes the temporary directory."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _cut_rows(path: str, capacity: int, n: int) -> None:
+    """Cuts a TensorDict memmap directory of ``capacity`` rows to its first ``n``.
+
+    Each file holds its tensor row-major, so the first ``n`` rows are its
+    first bytes: the files are truncated and the shapes in every
+    ``meta.json`` rewritten.
+    """
+    for folder, _, files in os.walk(path):
+        if "meta.json" not in files:
+            continue
+        meta = _json(os.path.join(folder, "meta.json"))
+        for name, entry in meta.items():
+            if isinstance(entry, dict) and entry.get("shape", [None])[:1] == [capacity]:
+                row = math.prod(entry["shape"][1:])
+                dtype = getattr(torch, str(entry["dtype"]).replace("torch.", ""))
+                os.truncate(os.path.join(folder, f"{name}.memmap"), n * row * dtype.itemsize)
+                entry["shape"] = [n, *entry["shape"][1:]]
+        if meta.get("shape", [None])[:1] == [capacity]:
+            meta["shape"] = [n, *meta["shape"][1:]]
+        with open(os.path.join(folder, "meta.json"), "w") as f:
+            json.dump(meta, f)
 
 
 def _tuple(key: Any) -> tuple:
