@@ -279,6 +279,26 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def paired(results: list[dict]) -> str:
+    """Per task, the differences of final return between data kinds, seed by seed.
+
+    The variants of a seed share its env seeds and torch seed (the same
+    initial weights), so the paired difference is the sharper comparison.
+    """
+    lines = ["| task | difference | per seed | mean ± 95% CI |", "|---|---|---|---|"]
+    for task in TASKS:
+        by = {(r["variant"], r["seed"]): r["final_return"] for r in results if r["task"] == task}
+        seeds = sorted({s for _, s in by})
+        for a, b in (("torchrl", "cleanbuf"), ("torchrl", "oracle"), ("cleanbuf", "oracle")):
+            d = [by[a, s] - by[b, s] for s in seeds if (a, s) in by and (b, s) in by]
+            if not d:
+                continue
+            m, h = _interval(d)
+            per_seed = ", ".join(f"{x:.1f}" for x in d)
+            lines.append(f"| {task} | {a} - {b} | {per_seed} | {m:.1f} ± {h:.1f} |")
+    return "\n".join(lines)
+
+
 def plot(results: list[dict], path: str) -> None:
     """Greedy return over training, mean and min-max band over seeds."""
     import matplotlib
@@ -341,6 +361,7 @@ def main() -> None:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     plot(results, os.path.join(args.out, f"{name}.png"))
     print(table(results))
+    print(paired(results))
 
 
 if __name__ == "__main__":
