@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import gymnasium as gym
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -150,9 +151,16 @@ def test_collector_chunks(storage, tmp_path):
     assert audit(str(tmp_path / "dst")).clean
 
 
+def _datasets(f):
+    """The names of every dataset in an HDF5 file, groups joined by '/'."""
+    names = []
+    f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    return names
+
+
 def test_flat_rows_and_npz_and_memmap(tmp_path):
     """rb.extend(batch.reshape(-1)): runs of T rows, env by env; the same
-    rows as a .npz file and as a TensorDict memmap directory. Bugs caught:
+    rows as a .npz file, a TensorDict memmap directory and an HDF5 file. Bugs caught:
     the run length or env count not recovered from flat rows, a format
     written back in another format, a cleaned dump that rb.loads cannot read.
     """
@@ -166,7 +174,12 @@ def test_flat_rows_and_npz_and_memmap(tmp_path):
     np.savez(npz, **{_name(k): v.numpy() for k, v in rows.items(True, True)})
     mm = str(tmp_path / "src_memmap")
     rows.memmap(mm)
-    for path, dst in ((src, "dst"), (npz, "dst.npz"), (mm, "dst_memmap")):
+    h5 = str(tmp_path / "src.h5")
+    with h5py.File(h5, "w") as f:
+        for k, v in rows.items(True, True):
+            f.create_dataset(_name(k), data=v.numpy())
+    sources = ((src, "dst"), (npz, "dst.npz"), (mm, "dst_memmap"), (h5, "dst.h5"))
+    for path, dst in sources:
         report = audit(path)
         assert (report.envs, report.steps, report.reset_rows) == (
             E,
@@ -184,6 +197,9 @@ def test_flat_rows_and_npz_and_memmap(tmp_path):
     )
     _assert_streams(from_npz, want)
     _assert_streams(TensorDict.load_memmap(str(tmp_path / "dst_memmap")), want)
+    with h5py.File(str(tmp_path / "dst.h5"), "r") as f:
+        from_h5 = {tuple(k.split("/")): torch.from_numpy(f[k][()]) for k in _datasets(f)}
+    _assert_streams(TensorDict(from_h5, batch_size=[len(from_npz)]), want)
 
 
 @pytest.mark.parametrize("chunks", [True, False], ids=["chunks", "flat rows"])

@@ -9,9 +9,12 @@ Three formats:
   where the oldest row of a full buffer is);
 * a TensorDict memmap directory (``td.memmap(dir)``): every row is data;
 * a ``.npz`` file of arrays named by their TensorDict key, nested keys
-  joined by ``/`` (``"next/observation"``).
+  joined by ``/`` (``"next/observation"``);
+* an HDF5 file (``.h5`` / ``.hdf5``, needs ``h5py``: the ``hdf5`` extra)
+  of datasets named the same way (``next`` a group).
 
-Rows are read as memory maps, in the order they were written.
+Memmap directories and dumps are read as memory maps, in the order they
+were written; ``.npz`` and HDF5 files are read into memory.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf._errors import InputError
 
-DUMP, MEMMAP, NPZ = "torchrl-dump", "memmap", "npz"
+DUMP, MEMMAP, NPZ, HDF5 = "torchrl-dump", "memmap", "npz", "hdf5"
+HDF5_SUFFIXES = (".h5", ".hdf5")
 
 
 @dataclasses.dataclass
@@ -158,24 +162,41 @@ def _npz(path: str) -> Dataset:
         arrays = np.load(path)  # a zip: read into memory, key by key
     except (OSError, ValueError) as err:
         raise InputError(f"cannot read {path} as .npz: {err}") from err
-    names = list(arrays.keys())
-    if not names:
+    return _arrays(path, NPZ, {name: arrays[name] for name in arrays.files})
+
+
+def _arrays(path: str, fmt: str, arrays: dict) -> Dataset:
+    """Arrays named by key path (``"next/observation"``), one entry per row."""
+    if not arrays:
         raise InputError(f"{path} holds no arrays.")
-    n = {name: arrays[name].shape[0] for name in names}
+    n = {name: a.shape[0] if a.ndim else 0 for name, a in arrays.items()}
     if len(set(n.values())) != 1:
         raise InputError(
             f"{path}: the arrays have different numbers of rows {n}; every array must hold "
             "one entry per transition."
         )
-    rows = n[names[0]]
-    data = TensorDict(
-        {
-            tuple(name.split("/")): torch.from_numpy(np.ascontiguousarray(arrays[name]))
-            for name in names
-        },
-        batch_size=[rows],
-    )
-    return Dataset(NPZ, path, data, np.arange(rows), rows, False)
+    rows = next(iter(n.values()))
+    tensors = {tuple(name.split("/")): torch.from_numpy(a) for name, a in arrays.items()}
+    data = TensorDict(tensors, batch_size=[rows])
+    return Dataset(fmt, path, data, np.arange(rows), rows, False)
+
+
+def _hdf5(path: str) -> Dataset:
+    try:
+        import h5py
+    except ImportError as err:
+        raise InputError(f"{path}: reading HDF5 needs h5py; pip install 'cleanbuf[hdf5]'.") from err
+    arrays: dict = {}
+    try:
+        with h5py.File(path, "r") as f:
+            f.visititems(
+                lambda name, obj: (
+                    arrays.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None
+                )
+            )
+    except OSError as err:
+        raise InputError(f"cannot read {path} as HDF5: {err}") from err
+    return _arrays(path, HDF5, arrays)
 
 
 def read(path: str) -> Dataset:
@@ -204,10 +225,13 @@ def read(path: str) -> Dataset:
             return Dataset(MEMMAP, path, data, np.arange(data.shape[0]), data.shape[0], False)
     elif path.endswith(".npz"):
         return _npz(path)
+    elif path.endswith(HDF5_SUFFIXES):
+        return _hdf5(path)
     raise InputError(
         f"{path} is in no format cleanbuf reads: a TorchRL replay-buffer dump (a directory "
         "written by rb.dumps, with storage/ and writer/), a TensorDict memmap directory (with "
-        "meta.json), or a .npz file of arrays named by key ('next/observation')."
+        "meta.json), a .npz file of arrays named by key ('next/observation'), or an HDF5 "
+        "file (.h5, .hdf5) of datasets named the same way."
     )
 
 
@@ -258,8 +282,8 @@ class Writer:
     stays that of the rows being written), one slice per write, whose
     files are the output's: a dump's ``storage/`` (``rb.dumps`` then finds
     them in place and copies nothing) or a memmap directory (cut to the
-    rows written at the end). A ``.npz`` is read whole from it: that
-    format is for data that fits in memory.
+    rows written at the end). A ``.npz`` or HDF5 file is read whole from
+    it: those formats are for data that fits in memory.
     """
 
     def __init__(self, fmt: str, dst: str, capacity: int, force: bool = False):
@@ -300,12 +324,19 @@ class Writer:
             capacity = self.rb.storage.max_size
             del self.rb  # unmap the files before they are cut
             _cut_rows(out, capacity, self.n)
-        elif self.fmt == NPZ:
+        else:
             stored = self.rb.storage.get(slice(0, self.n))
-            out = os.path.join(self.tmp, "out.npz")
-            with open(out, "wb") as f:
-                arrays = {"/".join(_tuple(k)): v.numpy() for k, v in stored.items(True, True)}
-                np.savez(f, **arrays)
+            arrays = {"/".join(_tuple(k)): v.numpy() for k, v in stored.items(True, True)}
+            out = os.path.join(self.tmp, "out")
+            if self.fmt == NPZ:
+                with open(out, "wb") as f:
+                    np.savez(f, **arrays)
+            else:
+                import h5py
+
+                with h5py.File(out, "w") as f:
+                    for name, a in arrays.items():
+                        f.create_dataset(name, data=a)
         if os.path.lexists(self.dst):  # --force: the old one goes only now
             os.replace(self.dst, os.path.join(self.tmp, "old"))
         os.replace(out, self.dst)
