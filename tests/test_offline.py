@@ -445,3 +445,37 @@ def test_raw_gymnasium_same_step_loop(with_info):
             cleanbuf.clean(rb)
         rows, stats = cleanbuf.clean(rb, on_lost_terminal_obs="drop", return_stats=True)
         assert stats["lost_rows_dropped"] == report.episodes
+
+
+def test_stable_baselines3_loop_saved_to_disk(tmp_path):
+    """A Stable-Baselines3 DummyVecEnv loop (same-step, the terminal
+    observation in infos[i]["terminal_observation"]) whose rows were
+    extended into a plain buffer and dumped. Bug caught: SB3's rows (done
+    flags without truncation, the terminal observation under SB3's name)
+    not read as same-step, or cleaned otherwise than the filter does.
+    """
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    name, _, policy = ENVS["CartPole-terminates"]
+    venv = DummyVecEnv([lambda: gym.make(name)] * E)
+    venv.seed(0)
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000))
+    steps, obs = [], venv.reset()
+    for _ in range(100):
+        action = policy(obs)
+        next_obs, reward, dones, infos = venv.step(action)
+        rows = cleanbuf.step_rows(obs, action, next_obs, reward, dones, None, infos, env_ids=True)
+        rb.extend(rows)
+        steps.append(rows)
+        obs = next_obs
+    venv.close()
+    src = _dump(rb, tmp_path)
+    report = audit(src)
+    assert (report.envs, report.steps, report.mode) == (E, 1, "same_step")
+    assert report.next_obs_is_reset > 0 and report.reset_rows == 0
+    want, stats = _filtered(steps, mode="same_step", layout="step")
+    done = clean_dataset(src, str(tmp_path / "dst"))
+    out = ReplayBuffer(storage=LazyTensorStorage(10_000))
+    out.loads(str(tmp_path / "dst"))
+    _assert_streams(out[: len(out)], want)
+    assert done.stats["next_obs_restitched"] == stats["next_obs_restitched"] == report.episodes
