@@ -189,10 +189,9 @@ class Cleaner:
         key = self.options.producer_key
         if key is None:
             return self._clean(td)
+        # A batch written again is recognised in _clean, before anything
+        # of the producer it was routed to is committed.
         first, last = trajectory_ends(td, key)
-        fingerprint = self._undo.fingerprint if self._undo is not None else None
-        if fingerprint is not None and fingerprint.starts(td):
-            raise SameBatchAgain
         group = producer_of(self._groups, first)
         self._carry = self._groups[group] if group < len(self._groups) else Carry()
         out = self._clean(td)  # commits into self._carry, or raises having changed nothing

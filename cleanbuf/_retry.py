@@ -62,24 +62,6 @@ class Fingerprint:
             return cls(False, ends.first_obs)
         return cls(True, {**ends.first_obs, TRAJ_IDS: take_rows(views, TRAJ_IDS, first)})
 
-    def starts(self, td) -> bool:
-        """Whether the ``[*E, T]`` batch ``td`` starts with these rows.
-
-        For a batch extended by producer (its rows not read yet): it
-        compares the first step of each stream.
-        """
-        if not self.exact:
-            return False
-        steps = td.batch_size[-1]
-        for key, rows in self.rows.items():
-            if key not in td.keys(True, True):
-                return False
-            x = td.get(key)
-            x = x.reshape(-1, steps, *x.shape[td.batch_dims :])[:, 0]
-            if not _same(x.cpu().numpy() if isinstance(rows, np.ndarray) else x, rows):
-                return False
-        return True
-
     def same(self, other: Fingerprint | None) -> bool:
         """Whether ``other`` has the same first rows, byte for byte."""
         if other is None or other.exact != self.exact or other.rows.keys() != self.rows.keys():

@@ -32,8 +32,12 @@ def _calls(traj_ids):
     return [both[:, i : i + STEPS] for i in range(0, 8 * STEPS, STEPS)]
 
 
-@pytest.mark.parametrize("traj_ids", [True, False], ids=["trajectory ids", "observations"])
-def test_a_failed_write_then_the_same_batch_again(traj_ids):
+@pytest.mark.parametrize(
+    "traj_ids, options",
+    [(True, {}), (False, {}), (True, {"producer_key": ("collector", "traj_ids")})],
+    ids=["trajectory ids", "observations", "producer_key"],
+)
+def test_a_failed_write_then_the_same_batch_again(traj_ids, options):
     """The storage raises on the write of a call that releases held rows;
     the user writes the same batch again. Bugs caught: the held rows the
     failed call released lost for good (the filter had moved on), the
@@ -41,7 +45,7 @@ def test_a_failed_write_then_the_same_batch_again(traj_ids):
     pending), the stats counting the batch twice.
     """
     calls = _calls(traj_ids)
-    filt = AutoresetFilter("next_step")
+    filt = AutoresetFilter("next_step", **options)
     rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
     for batch in calls:
         rb.extend(batch)
@@ -49,7 +53,7 @@ def test_a_failed_write_then_the_same_batch_again(traj_ids):
     want, want_stats = rb[: len(rb)], filt.stats
 
     storage = FlakyStorage(1000)
-    filt = AutoresetFilter("next_step")
+    filt = AutoresetFilter("next_step", **options)
     rb = ReplayBuffer(storage=storage, transform=filt)
     gap = None
     for batch in calls:
