@@ -99,7 +99,8 @@ def clean(
             is recovered as ``cleanbuf audit`` does: a TorchRL
             ``ReplayBuffer`` or storage filled without the filter (by a
             collector or ``rb.extend``), or a path (an ``rb.dumps``
-            directory, a TensorDict memmap directory, a ``.npz`` file).
+            directory, a TensorDict memmap directory, a ``.npz`` or HDF5
+            file).
         batch_dims: for dicts, the number of batch dimensions; None infers it
             from the done array (a trailing dimension of size 1 is a feature
             dimension).

@@ -1,6 +1,6 @@
-"""Reading and writing transition data on disk, without loading it into memory.
+"""Reading and writing transition data on disk.
 
-Three formats:
+Four formats:
 
 * a TorchRL replay-buffer dump (``rb.dumps(dir)``, any of its storages): a
   directory with ``storage/`` (a TensorDict memmap of the whole capacity),
@@ -42,11 +42,12 @@ class Dataset:
     """Transition data read from disk.
 
     Attributes:
-        format: ``"torchrl-dump"``, ``"memmap"`` or ``"npz"``.
+        format: ``"torchrl-dump"``, ``"memmap"``, ``"npz"`` or ``"hdf5"``.
         path: where it was read.
-        data: the storage's slots, as memory maps: ``[N]`` rows, or
-            ``[N, T]`` chunks of ``T`` time steps of one env (a TorchRL
-            collector writing into a plain storage).
+        data: the storage's slots (memory maps for a dump or a memmap
+            directory): ``[N]`` rows, or ``[N, T]`` chunks of ``T`` time
+            steps of one env (a TorchRL collector writing into a plain
+            storage).
         order: the filled slots in the order they were written (a full
             circular buffer starts at the writer's cursor).
         capacity: the number of slots of the storage.
@@ -86,7 +87,10 @@ class Dataset:
         return slots, torch.as_tensor(positions % self.chunk)
 
     def rows(self, positions: np.ndarray) -> TensorDictBase:
-        """The rows at ``positions`` (in write order), in memory."""
+        """The rows at ``positions`` (in write order).
+
+        A view of the memory maps for consecutive slots, else a copy.
+        """
         return self.data[self._index(positions)]
 
     def column(self, key: tuple, positions: np.ndarray) -> np.ndarray:
