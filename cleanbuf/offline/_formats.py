@@ -204,7 +204,7 @@ def _hdf5(path: str) -> Dataset:
 
 
 def read(path: str) -> Dataset:
-    """Reads a dump directory, a memmap directory or a ``.npz`` file.
+    """Reads a dump directory, a memmap directory, a ``.npz`` or an HDF5 file.
 
     Raises:
         InputError: the path does not exist or is in no known format.
