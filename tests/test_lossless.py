@@ -98,9 +98,9 @@ def test_lossless_same_step_env_keeps_its_terminal_observations():
         start = rows["is_init"].squeeze(-1)[1:]
         assert int(start.sum()) == len(rows) // HORIZON - (len(rows) % HORIZON == 0)
         assert torch.equal(nxt[:-1][~start], obs[1:][~start])  # chains within episodes
-    # Every next observation, terminal ones included, is Pendulum's physics
-    # applied to the row's state and action; a reset state is not.
-    torch.testing.assert_close(nxt, _pendulum_step(obs, rows["action"]), atol=1e-4, rtol=0)
+        # Every next observation, terminal ones included, is Pendulum's physics
+        # applied to the row's state and action; a reset state is not.
+        torch.testing.assert_close(nxt, _pendulum_step(obs, rows["action"]), atol=1e-4, rtol=0)
 
 
 def test_lossless_env_needs_no_filter():
