@@ -126,7 +126,7 @@ class Cleaner:
         [1.0, 2.0, 10.0, 12.0]
     """
 
-    def __init__(self, options: Options):
+    def __init__(self, options: Options, pool: BufferPool | None = None):
         self.options = options
         self._carry = Carry()
         # With producer_key: one carry per producer (worker); self._carry is
@@ -135,7 +135,7 @@ class Cleaner:
         self._undo: Undo | None = None  # before the last call (see __call__)
         self._fingerprint: Fingerprint | None = None  # of the call in progress
         self._stats = dict.fromkeys(STAT_NAMES, 0)
-        self._pool = BufferPool()
+        self._pool = BufferPool() if pool is None else pool  # where large outputs go
         self._layouts: dict = {}  # (batch size, names) -> CallLayout, for the fixed layouts
         self._obs_keys: dict = {}  # leaf keys -> discovered observation keys
 

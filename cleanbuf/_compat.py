@@ -117,3 +117,13 @@ def collector_compact_next_keys(collector: Any) -> list:
     user then declares ``observation_keys``).
     """
     return list(getattr(collector, "_compact_next_keys", ()))
+
+
+def storage_tensors(storage: Any) -> Any | None:
+    """The TensorDict behind a TorchRL tensor storage, every slot of it.
+
+    ``storage._storage``: the public ``storage.get`` stops at the filled
+    slots, and the offline writer gathers rows straight into the next
+    ones. None where the name is gone (the writer then copies the rows).
+    """
+    return getattr(storage, "_storage", None)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 from torchrl.collectors import Collector
+from torchrl.data import LazyTensorStorage
 from torchrl.envs import GymEnv, GymWrapper
 
 from cleanbuf import AutoresetFilter, CleanbufError, _compat
@@ -42,6 +43,9 @@ def test_the_private_names_are_there():
     assert ("next", "observation") in collector._compact_next_keys
     collector.shutdown()
     assert callable(sys._getframe)
+    storage = LazyTensorStorage(8)
+    storage.set(slice(0, 2), TensorDict({"a": torch.ones(2, 3)}, [2]))
+    assert _compat.storage_tensors(storage).shape == (8,)  # every slot, not the filled
 
 
 def test_fallbacks_match_the_private_paths():

@@ -22,10 +22,32 @@ from tensordict import TensorDictBase
 from cleanbuf._cleaner import STAT_NAMES, Cleaner
 from cleanbuf._errors import InputError
 from cleanbuf._options import Options
+from cleanbuf._pool import BufferPool
 from cleanbuf.offline._audit import Report, analyse, stream_positions
 from cleanbuf.offline._formats import Collect, Dataset, Writer, read
 
 ENV_KEY = "_cleanbuf_env"
+
+
+class OutputPool(BufferPool):
+    """The cleaner's large outputs, gathered straight into the output's files.
+
+    Where the writer has laid out a key, the cleaner's buffer for it is the
+    output's next rows, so the rows are copied once (from SRC into DST);
+    the writer's copy of them is then a copy onto itself, which torch
+    skips. Measured on 2 GB of Atari-like rows: see ``bench/README.md``.
+    """
+
+    def __init__(self, writer: Writer):
+        super().__init__()
+        self.writer = writer
+
+    def take(self, key, shape: tuple, dtype: torch.dtype, device: torch.device):
+        """The output's next rows of ``key`` when they fit, else a pooled buffer."""
+        dest = self.writer.slot(key, shape[0])
+        if dest is not None and dest.dtype == dtype and tuple(dest.shape) == tuple(shape):
+            return dest
+        return super().take(key, shape, dtype, device)
 
 
 @dataclasses.dataclass
@@ -103,6 +125,7 @@ def clean_dataset(
     # buffer of rows built with it.
     capacity = max(ds.capacity * ds.chunk, n)
     writer = Collect() if dst is None else Writer(ds.format, dst, capacity, force=force)
+    pool = OutputPool(writer) if isinstance(writer, Writer) else None
     bar = _progress(n, progress)
     stats = dict.fromkeys((*STAT_NAMES, "orphan_reset_rows", "rows_not_cleaned"), 0)
     try:
@@ -113,11 +136,11 @@ def clean_dataset(
         skip = _orphans(ds, report, positions) if ds.wrapped and not joint else np.zeros(0, int)
         stats["orphan_reset_rows"] = len(skip)
         if joint:
-            cleaner = Cleaner(Options.build(**opts, joint_reset=True, layout="time_last"))
+            cleaner = Cleaner(Options.build(**opts, joint_reset=True, layout="time_last"), pool)
             pieces = [(s, e, True) for s, e in streams.batches(n)]
             loose = np.r_[0 : streams.head, n - streams.tail : n]
         else:
-            cleaner = Cleaner(Options.build(**opts, stream_key=ENV_KEY))
+            cleaner = Cleaner(Options.build(**opts, stream_key=ENV_KEY), pool)
             size = streams.steps * streams.envs
             pieces = [(s, min(s + size, n), False) for s in range(0, n, size)]
             loose = np.zeros(0, np.int64)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from cleanbuf._compat import storage_tensors
 from cleanbuf._errors import InputError
 
 DUMP, MEMMAP, NPZ, HDF5 = "torchrl-dump", "memmap", "npz", "hdf5"
@@ -314,6 +315,16 @@ class Writer:
         if m:
             self.rb.storage.set(slice(self.n, self.n + m), rows)
             self.n += m
+
+    def slot(self, key: Any, rows: int) -> torch.Tensor | None:
+        """The output's next ``rows`` rows of ``key``, to gather into; None if not laid out."""
+        storage = self.rb.storage
+        if not storage.initialized or self.n + rows > storage.max_size:
+            return None
+        tensors = storage_tensors(storage)
+        if tensors is None or key not in tensors.keys(True, True):
+            return None
+        return tensors.get(key)[self.n : self.n + rows]
 
     def commit(self) -> None:
         """Finishes the dataset and moves it to ``dst``."""
