@@ -9,7 +9,9 @@ one process, a few rounds of:
 * ``cleanbuf clean`` of the same dataset to a new memmap directory;
 * ``cleanbuf audit`` of it, warm (its pages already cached).
 
-It prints the median times, the clean/copy ratio, the audit's read rate
+Before each timed copy or clean, ``os.sync()`` writes out the dirty pages
+of the one before: otherwise the second variant of a round pays for the
+first one's writeback. It prints the median times, the clean/copy ratio, the audit's read rate
 and the peak anonymous memory of the clean over the process's baseline
 (sampled every 2 ms; the baseline after one untimed clean, which loads
 numba's compiler and caches), against one write's rows. Not part of the
@@ -105,6 +107,7 @@ def main() -> None:
             for name in ("copy", "clean"):
                 dst = os.path.join(root, name)
                 shutil.rmtree(dst, ignore_errors=True)
+                os.sync()  # no dirty pages of the last variant to flush while timed
                 t = time.perf_counter()
                 if name == "copy":
                     copy(src, dst, ENVS * STEPS)
