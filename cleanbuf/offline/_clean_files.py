@@ -4,8 +4,8 @@ The rows are read in write order, one write (one collector batch) at a
 time, and go through the same cleaner as the replay-buffer filter, each
 tagged with the env the audit recovered (``layout="stream_key"``); the
 cleaned rows are written to a new dataset of SRC's format in a temporary
-directory, renamed to DST at the end. Memory stays that of a few batches,
-whatever the size of SRC.
+directory, renamed to DST at the end. Memory stays that of a few batches
+plus a few index arrays of 8 bytes a row, whatever the size of the rows.
 """
 
 from __future__ import annotations
