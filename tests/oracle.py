@@ -53,18 +53,19 @@ def make_env(env_name, num_envs, max_episode_steps=None, disabled=False):
     return env
 
 
-def collect(env, frames_per_batch, total_frames, replay_buffer=None):
+def collect(env, frames_per_batch, total_frames, replay_buffer=None, policy=push_left_policy):
     """Runs a Collector; returns its batches (none when it writes to a buffer)."""
     collector = Collector(
         env,
-        push_left_policy,
+        policy,
         frames_per_batch=frames_per_batch,
         total_frames=total_frames,
         replay_buffer=replay_buffer,
     )
-    batches = [b.clone() for b in collector if b is not None]
-    collector.shutdown()
-    return batches
+    try:
+        return [b.clone() for b in collector if b is not None]
+    finally:
+        collector.shutdown()
 
 
 def streams_from_batches(batches):

@@ -23,7 +23,7 @@ from torchrl.objectives.value import TD0Estimator
 
 import cleanbuf
 from cleanbuf import AutoresetFilter, CleanbufError, CleanbufWarning
-from tests.oracle import STREAM, compare_streams, make_env, streams_from_batches
+from tests.oracle import STREAM, collect, compare_streams, make_env, streams_from_batches
 
 E, T, HORIZON = 3, 8, 6
 GAMMA = 0.9
@@ -40,13 +40,9 @@ def _pendulum_policy(td):
 def _collect(base, batches=5):
     env = TransformedEnv(base, Compose(StepCounter(), InitTracker()))
     env.set_seed(0)
-    collector = Collector(
-        env, _pendulum_policy, frames_per_batch=E * T, total_frames=E * T * batches
-    )
     try:
-        return [b.clone() for b in collector]
+        return collect(env, E * T, E * T * batches, policy=_pendulum_policy)
     finally:
-        collector.shutdown()
         env.close()
 
 

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
-from torchrl.collectors import Collector
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 
 import cleanbuf
@@ -28,7 +27,7 @@ from cleanbuf.offline import audit, clean_dataset
 from cleanbuf.offline.cli import main
 from tests.batches import assert_same_rows
 from tests.loops import ENVS, run_loop
-from tests.oracle import STREAM, make_env, streams_from_rows
+from tests.oracle import STREAM, collect, make_env, streams_from_rows
 
 E, T, BATCHES = 4, 16, 12
 
@@ -48,17 +47,9 @@ def _policy(td):
 
 def _run(replay_buffer, max_episode_steps):
     env = make_env("CartPole-v1", E, max_episode_steps)
-    collector = Collector(
-        env,
-        _policy,
-        frames_per_batch=E * T,
-        total_frames=E * T * BATCHES,
-        replay_buffer=replay_buffer,
-    )
     try:
-        return [b.clone() for b in collector if b is not None]
+        return collect(env, E * T, E * T * BATCHES, replay_buffer, policy=_policy)
     finally:
-        collector.shutdown()
         env.close()
 
 
@@ -277,12 +268,9 @@ def test_clean_data_audits_clean(tmp_path):
     """
     env = make_env("CartPole-v1", E, disabled=True)
     rb = ReplayBuffer(storage=LazyTensorStorage(10_000))
-    collector = Collector(env, _policy, frames_per_batch=E * T, total_frames=E * T * 6)
-    try:
-        for b in collector:
-            rb.extend(b.reshape(-1))
-    finally:
-        collector.shutdown()
+    for b in collect(env, E * T, E * T * 6, policy=_policy):
+        rb.extend(b.reshape(-1))
+    env.close()
     src = _dump(rb, tmp_path)
     report = audit(src)
     assert report.clean and report.episodes > 5 and report.mode == "disabled"
