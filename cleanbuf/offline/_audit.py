@@ -230,7 +230,7 @@ def stream_positions(streams: Streams, n: int) -> list[np.ndarray]:
     """Per env, its rows' positions in write order, in time order.
 
     Examples:
-        >>> s = Streams(steps=2, envs=2, head=1, head_runs=((1, 0, 1),), tail=0, evidence=(0, 0))
+        >>> s = Streams(steps=2, envs=2, head=1, head_runs=((1, 0, 1),), tail=0)
         >>> [p.tolist() for p in stream_positions(s, 9)]
         [[1, 2, 5, 6], [0, 3, 4, 7, 8]]
     """
@@ -356,7 +356,8 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
     }
     if "is_init" in book:
         book["is_init"] = book["is_init"].astype(bool)
-    for positions in stream_positions(streams, n):
+    per_env = stream_positions(streams, n)
+    for positions in per_env:
         first_of_episode[positions[1:][done[positions[:-1]]]] = True
         for k, v in _ends(rows, reward, positions, details, book).items():
             totals[k] = totals.get(k, 0) + v
@@ -389,9 +390,7 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
         is_init_wrong=totals.get("is_init_wrong") if streams.found else None,
         step_count_wrong=totals.get("step_count_wrong") if streams.found else None,
     )
-    report.details = [
-        (positions, *detail) for positions, detail in zip(stream_positions(streams, n), details)
-    ]
+    report.details = [(positions, *detail) for positions, detail in zip(per_env, details)]
     return report, streams
 
 

@@ -39,7 +39,6 @@ class Streams:
             buffer overwrote); 0 when the data starts with a whole batch.
         head_runs: the runs of the head, ``(env, start, stop)`` rows.
         tail: rows after the last whole batch (a batch written in part).
-        evidence: how many run pairs confirmed ``E`` (and how many could).
         found: False when the rows break into runs with no period: they are
             then one stream in write order, which only data of one env is.
     """
@@ -49,7 +48,6 @@ class Streams:
     head: int
     head_runs: tuple
     tail: int
-    evidence: tuple
     found: bool = True
 
     def batches(self, n_rows: int):
@@ -147,31 +145,28 @@ def recover(rows: Rows, chunk: int = 1, wrapped: bool = False) -> Streams:
         steps = n - int(starts[0]) if wrapped else int(starts[0])
         offset = int(starts[0] % steps)
     else:
-        return Streams(n, 1, 0, (), 0, (0, 0))
+        return Streams(n, 1, 0, (), 0)
     first = np.arange(offset, n - steps + 1, steps)
-    envs, evidence = _period(rows, first, first + steps - 1)
+    envs = _period(rows, first, first + steps - 1)
     if not envs:  # no period: rows of several envs mixed in no order found
-        return Streams(n, 1, 0, (), 0, (0, 0), found=False)
+        return Streams(n, 1, 0, (), 0, found=False)
     size = steps * envs
     head, tail = (n % size, 0) if wrapped else (0, n % size)
     runs, stop, env = [], head, envs - 1
     while stop > 0:  # the head, from its end: env E-1, E-2, ...
         runs.append((env, max(stop - steps, 0), stop))
         stop, env = stop - steps, env - 1
-    return Streams(steps, envs, head, tuple(reversed(runs)), tail, evidence)
+    return Streams(steps, envs, head, tuple(reversed(runs)), tail)
 
 
 MAX_ENVS = 1024  # the largest env count looked for
 
 
-def _period(rows: Rows, first: np.ndarray, last: np.ndarray) -> tuple[int, tuple]:
-    """The smallest E such that run k + E continues run k, for every k.
+def _period(rows: Rows, first: np.ndarray, last: np.ndarray) -> int:
+    """The smallest E such that run k + E continues run k, for every k; 0 if none.
 
     Each candidate is tried on its first pairs, and the one that passes is
     checked on all of them, a block at a time (the reads stay bounded).
-
-    Returns ``(E, (pairs that continue, pairs that could be checked))``;
-    E is 0 when no period fits.
     """
     n_runs = len(first)
     for envs in range(1, min(n_runs, MAX_ENVS + 1)):
@@ -183,8 +178,8 @@ def _period(rows: Rows, first: np.ndarray, last: np.ndarray) -> tuple[int, tuple
                 good, seen = _continue(rows, a[lo : lo + rows.block], b[lo : lo + rows.block])
                 ok, checked = ok + good, checked + seen
             if checked and ok == checked:
-                return envs, (ok, checked)
-    return (1, (0, 0)) if n_runs <= 1 else (0, (0, 0))
+                return envs
+    return 1 if n_runs <= 1 else 0
 
 
 def _continue(rows: Rows, a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
