@@ -159,7 +159,10 @@ def _stored(data: Any, dst: str | None, options: dict) -> Any:
         return clean_dataset(os.fspath(data), dst, **options)
     if dst is not None:
         raise InputError("dst= is for a path: clean(path, dst=...) writes a new dataset.")
-    if type(data).__module__.startswith("torchrl.data"):
+    from torchrl.data import ReplayBuffer
+    from torchrl.data.replay_buffers.storages import Storage
+
+    if isinstance(data, (ReplayBuffer, Storage)):
         with tempfile.TemporaryDirectory(prefix="cleanbuf-") as tmp:
             return clean_dataset(from_buffer(data, os.path.join(tmp, "dump")), None, **options)
     return None
