@@ -99,6 +99,22 @@ class Dataset:
         return self.data.get(key)[self._index(positions)].numpy()
 
 
+def plain_leaves(td: TensorDictBase) -> dict:
+    """Every leaf of ``td`` as a plain tensor on the same memory (memory maps too).
+
+    Slicing a tensordict ``MemoryMappedTensor`` builds a file path for the
+    slice, about 0.15 ms a slice on this machine, which made a third of an
+    offline clean's time; a plain tensor on the same memory slices in a
+    microsecond.
+
+    Examples:
+        >>> td = TensorDict({"a": torch.zeros(3)}, batch_size=[3]).memmap_()
+        >>> type(plain_leaves(td)["a",]).__name__
+        'Tensor'
+    """
+    return {_tuple(k): v.as_subclass(torch.Tensor) for k, v in td.items(True, True)}
+
+
 def _json(path: str) -> dict:
     try:
         with open(path) as f:
@@ -137,12 +153,14 @@ def _check_sizes(path: str) -> None:
 def _load_memmap(path: str) -> TensorDictBase:
     _check_sizes(path)
     try:
-        return TensorDict.load_memmap(path)
+        data = TensorDict.load_memmap(path)
     except Exception as err:  # tensordict raises many kinds on a bad directory
         raise InputError(
             f"{path} is not a readable TensorDict memmap directory ({type(err).__name__}: "
             f"{err}). A truncated or partly copied directory reads like this: copy it again."
         ) from err
+    # Plain tensors on the same memory maps: see plain_leaves.
+    return data.apply(lambda t: t.as_subclass(torch.Tensor))
 
 
 def _dump(path: str) -> Dataset:
@@ -298,6 +316,7 @@ class Writer:
         if os.path.exists(dst) and not force:
             raise InputError(f"{dst} exists; pass --force (force=True) to replace it.")
         self.fmt, self.dst, self.n = fmt, dst, 0
+        self._leaves: dict | None = None  # the output's files as plain tensors, once laid out
         parent = os.path.dirname(dst)
         os.makedirs(parent, exist_ok=True)
         self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.cleanbuf-tmp-", dir=parent)
@@ -321,10 +340,11 @@ class Writer:
         storage = self.rb.storage
         if not storage.initialized or self.n + rows > storage.max_size:
             return None
-        tensors = storage_tensors(storage)
-        if tensors is None or key not in tensors.keys(True, True):
-            return None
-        return tensors.get(key)[self.n : self.n + rows]
+        if self._leaves is None:
+            tensors = storage_tensors(storage)
+            self._leaves = {} if tensors is None else plain_leaves(tensors)
+        leaf = self._leaves.get(key)
+        return None if leaf is None else leaf[self.n : self.n + rows]
 
     def commit(self) -> None:
         """Finishes the dataset and moves it to ``dst``."""
