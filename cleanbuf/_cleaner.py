@@ -33,10 +33,11 @@ from tensordict import TensorDict, TensorDictBase
 from cleanbuf import _checks, _flags
 from cleanbuf._carry import Carry
 from cleanbuf._continuity import CallEnds, LastRows
-from cleanbuf._errors import CleanbufError, InputError, key_name
-from cleanbuf._groups import producer_of, trajectory_ends
+from cleanbuf._errors import CleanbufError, ContinuityError, InputError, key_name
+from cleanbuf._groups import candidates, trajectory_ends
 from cleanbuf._kernels import MARKED, NEED_INIT, PENDING, SHIFT, WAITING, Selection, plan_rows
 from cleanbuf._keys import (
+    TRAJ_IDS,
     batch_leaves,
     check_same_layout,
     done_flags,
@@ -132,6 +133,11 @@ class Cleaner:
         # With producer_key: one carry per producer (worker); self._carry is
         # the one of the producer of the call in progress.
         self._groups: list[Carry] = []
+        # Batches may come from several producers whose trajectory ids can
+        # collide (Ray collectors, each with its own pool): told apart by
+        # their ids and observations, a batch continuing none starts a new
+        # producer. Set by the filter inside a Ray actor.
+        self.many_producers = False
         self._undo: Undo | None = None  # before the last call (see __call__)
         self._fingerprint: Fingerprint | None = None  # of the call in progress
         self._stats = dict.fromkeys(STAT_NAMES, 0)
@@ -184,23 +190,56 @@ class Cleaner:
         return out
 
     def _call_once(self, td: TensorDictBase) -> TensorDictBase:
-        """:meth:`_clean` against the carry of the batch's producer."""
+        """:meth:`_clean` against the carry of the batch's producer.
+
+        With several producers, the batch goes to the first producer it
+        continues (:func:`cleanbuf._groups.candidates`); ``_clean`` changes
+        nothing when it refuses one. When the producers draw trajectory ids
+        from one pool (``producer_key``), a batch sharing ids with producers
+        it does not continue is refused (a skipped or repeated batch); when
+        they may share ids (:attr:`many_producers`), it starts a new one.
+        """
         self._fingerprint = None
-        key = self.options.producer_key
+        key = self._producer_key(td)
         if key is None:
             return self._clean(td)
-        # A batch written again is recognised in _clean, before anything
-        # of the producer it was routed to is committed.
         first, last = trajectory_ends(td, key)
-        group = producer_of(self._groups, first)
-        self._carry = self._groups[group] if group < len(self._groups) else Carry()
-        out = self._clean(td)  # commits into self._carry, or raises having changed nothing
+        matching, others = candidates(self._groups, first)
+        refused = None
+        for group in matching:
+            try:
+                out = self._clean_as(group, td)
+                break
+            except ContinuityError as err:
+                refused = refused or err
+        else:
+            if refused is not None and not self.many_producers:
+                raise refused
+            group = others[0]  # nothing open to continue: it cannot be refused
+            out = self._clean_as(group, td)
         self._carry.traj_ids = last
         if group == len(self._groups):
             self._groups.append(self._carry)
         self._groups[group] = self._carry
         self._stats["rows_held"] = sum(len(c.held_stream) for c in self._groups)
         return out
+
+    def _clean_as(self, group: int, td: TensorDictBase) -> TensorDictBase:
+        """:meth:`_clean` against producer ``group``'s carry (a new one past the last)."""
+        self._carry = self._groups[group] if group < len(self._groups) else Carry()
+        return self._clean(td)  # commits into self._carry, or raises having changed nothing
+
+    def _producer_key(self, td: TensorDictBase) -> tuple | None:
+        """The key that tells the batch's producer, or None for one producer."""
+        key = self.options.producer_key
+        if key is not None or not self.many_producers:
+            return key
+        if self.options.layout in (None, "time_last") and td.batch_dims >= 2:
+            # get, not keys(): a LazyStackedTensorDict (a batch Ray carried)
+            # does not list its nested keys as containing them.
+            if td.get(TRAJ_IDS, None) is not None:
+                return TRAJ_IDS
+        return None
 
     def _clean(self, td: TensorDictBase) -> TensorDictBase:
         """Cleans one batch against ``self._carry``; commits only on success."""
@@ -433,11 +472,11 @@ class Cleaner:
         lost its next observation, and the lost-observation policy applies
         (counted in ``terminal_obs_missing`` for done rows and
         ``next_obs_missing`` for the others). A reset row arriving after a
-        flush is still recognised and dropped. With ``producer_key``, every
+        flush is still recognised and dropped. With several producers, every
         producer's held rows, producer after producer.
         """
         self._undo = None  # a flush is no call to repeat
-        if self.options.producer_key is None:
+        if not self._groups:
             return self._flush_carry()
         outs = []
         for g, carry in enumerate(self._groups):
@@ -490,7 +529,7 @@ class Cleaner:
     def state_dict(self) -> dict:
         """The carry state, counters and options, as tensors and plain Python values."""
         state = {**self._carry.state_dict(), "stats": self.stats, "options": self.options.as_dict()}
-        if self.options.producer_key is not None:
+        if self._groups:
             state["producers"] = [c.state_dict() for c in self._groups]
         return state
 

@@ -16,6 +16,7 @@ from cleanbuf._copies import CopyStates, new_copy_name
 from cleanbuf._errors import CleanbufWarning, LayoutError
 from cleanbuf._keys import TRAJ_IDS
 from cleanbuf._options import Options
+from cleanbuf._ray import RayStates, flush_buffer_actor, in_ray_actor, is_ray_buffer, ray_running
 
 
 def _is_storage_init(td: TensorDictBase) -> bool:
@@ -107,6 +108,14 @@ class AutoresetFilter(Transform):
     copy publishes its state, so that :attr:`stats` and :meth:`flush` in the
     parent cover them all.
 
+    **Ray.** Pickled while Ray is running (``RayReplayBuffer(...,
+    transform=filt)``, or a ``RayCollector``'s ``postproc``), the filter
+    does the same through a small Ray actor, on any node. Inside a Ray
+    actor the filter takes batches from several producers (each
+    ``RayCollector`` worker extending the buffer): each batch goes to the
+    producer whose streams it continues, by trajectory ids and
+    observations, and a batch that continues none starts a new producer.
+
     **Honest failure modes.** A supposed reset row with a nonzero reward or
     a done flag raises :class:`~cleanbuf.ResetRowError` (wrong mode or
     flavour, or a reward transform that moves 0: ``check_reset_rows=False``).
@@ -190,6 +199,7 @@ class AutoresetFilter(Transform):
         self._copy: tuple | None = None  # (pid, name) of this copy, once it published
         self._storage_checked = False  # the buffer's storage takes flat rows (checked once)
         self._warned_nan = False  # a NaN next observation was written by default (warned once)
+        self._in_ray_actor: bool | None = None  # whether it runs in a Ray actor (first call)
 
     @classmethod
     def for_env(cls, env: Any, **overrides: Any) -> AutoresetFilter:
@@ -276,9 +286,17 @@ class AutoresetFilter(Transform):
             self._copy = (pid, new_copy_name())
         self._copies.publish(self._copy[1], self._cleaner.state_dict())
 
+    def __getstate__(self) -> dict:
+        # Pickled while Ray runs: for a Ray actor, which publishes its state.
+        if self._copies is None and ray_running():
+            self._copies = RayStates()
+            self._publish()
+        return super().__getstate__()
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._copy = None  # a copy publishes under its own name
+        self._in_ray_actor = None  # where it runs is read at its first call
 
     def flush(self, rb: Any = None) -> TensorDictBase | None:
         """Releases the held rows, at the end of collection.
@@ -292,6 +310,11 @@ class AutoresetFilter(Transform):
         Returns:
             The held rows (flat), or None when written to ``rb``.
         """
+        if rb is not None and is_ray_buffer(rb) and flush_buffer_actor(rb):
+            # The buffer actor's filter stored every copy's held rows there.
+            if self._copies is not None:
+                self._cleaner.load_state_dict(self._copies.load()[self._copy[1]])
+            return None
         if self._copies is not None:
             return self._flush_copies(rb)
         if rb is None:
@@ -347,6 +370,9 @@ class AutoresetFilter(Transform):
             )
         if not self._storage_checked:
             self._check_storage()
+        if self._in_ray_actor is None:
+            self._in_ray_actor = in_ray_actor()
+        self._cleaner.many_producers = self._in_ray_actor  # also a cleaner a flush replaced
         if _is_storage_init(tensordict):
             # Shaped as the filter's rows, so the storage is laid out for them;
             # TorchRL empties the buffer right after: nothing is counted or kept.
