@@ -37,35 +37,51 @@ def trajectory_ends(td: TensorDictBase, key: tuple) -> tuple[np.ndarray, np.ndar
 def candidates(groups: list[Carry], first_ids: np.ndarray) -> tuple[list[int], list[int]]:
     """The producers a batch may continue, most likely first.
 
-    A trajectory id belongs to one stream of one producer when the
-    producers draw them from one pool (a multi-process collector's workers
-    do), so a batch whose first row of any stream carries the id of a
-    producer's last row continues that producer. Producers with pools of
-    their own (each Ray collector has one) can share ids, so the
-    observations decide among the matching ones (the cleaner's continuity
-    check). A batch that continues none is a producer's first, or every
-    stream of its producer ended (or restarted) at the batch boundary: then
-    any producer whose streams all ended, with nothing held, pending or
-    open, is as good as a new one.
+    Within a producer, a stream keeps its trajectory id until its episode
+    ends, and a new episode takes an id above every id the producer gave
+    before. A producer's batch therefore has, on each stream, the id of the
+    stream's last row, or (the stream ended at the batch boundary) a larger
+    id than any of its last rows. When the producers draw ids from one pool
+    (a multi-process collector's workers do), a shared id names the
+    producer; producers with pools of their own (each Ray collector has one)
+    can share ids, so the observations decide among the candidates (the
+    cleaner's continuity check). A batch whose every stream ended at the
+    boundary shares no id: the producers it is consistent with come next,
+    the one whose ids are closest below the batch's first, then any
+    producer with nothing held, pending or open, and a new one.
 
     Returns:
-        ``(matching, others)``: the producers sharing a trajectory id with
-        the batch, in order; then the blank ones and ``len(groups)`` (a new
-        producer).
+        ``(matching, others)``: the consistent producers sharing an id with
+        the batch, in order; then the other consistent ones, the blank ones
+        and ``len(groups)`` (a new producer).
 
     Examples:
         >>> a, b = Carry(traj_ids=np.array([3, 4])), Carry(traj_ids=np.array([5, 6]))
         >>> candidates([a, b], np.array([7, 6]))  # stream 1 continues trajectory 6
-        ([1], [0, 1, 2])
-        >>> candidates([a, b], np.array([5, 4]))  # either: the observations decide
-        ([0, 1], [0, 1, 2])
+        ([1], [0, 2])
+        >>> candidates([a, b], np.array([3, 6]))  # 6 > 4, but 3 < 6: a (b, blank, as new)
+        ([0], [1, 2])
+        >>> candidates([a, b], np.array([8, 9]))  # every stream restarted: closest first
+        ([], [1, 0, 2])
         >>> candidates([], np.array([8, 9]))  # the first producer
         ([], [0])
     """
-    matching = [
-        g
-        for g, carry in enumerate(groups)
-        if len(carry.traj_ids) == len(first_ids) and np.any(carry.traj_ids == first_ids)
-    ]
+    matching, restarted = [], []
+    for g, carry in enumerate(groups):
+        last = carry.traj_ids
+        if len(last) != len(first_ids):
+            continue
+        same = last == first_ids
+        if not np.all(same | (first_ids > last.max())):
+            continue
+        open_ = carry.last.open
+        if len(open_) == len(same) and np.any(open_ & ~same):
+            continue  # an open stream keeps its id
+        if same.any():
+            matching.append(g)
+        else:
+            restarted.append((int(first_ids.min() - last.max()), g))
     blank = [g for g, carry in enumerate(groups) if carry.is_blank()]
-    return matching, [*blank, len(groups)]
+    others = [g for _, g in sorted(restarted)]
+    others += [g for g in blank if g not in others and g not in matching]
+    return matching, [*others, len(groups)]

@@ -70,3 +70,12 @@ def push_left(td):
     action[..., 0] = 1
     td.set("action", action)
     return td
+
+
+def seeded(make_env, seed):
+    """``make_env()`` seeded before anything resets it (a Ray collector resets
+    its env when it is built, before ``set_seed`` reaches it).
+    """
+    env = make_env()
+    env.set_seed(seed)
+    return env
