@@ -45,8 +45,9 @@ def ray_session():
 
 
 def _collect(make_env, sync, replay_buffer=None):
-    """Runs a RayCollector (collector i's envs seeded from 100 i) to the end; returns its batches (none when
-    it writes into ``replay_buffer``).
+    """Runs a RayCollector to the end (collector i's envs seeded from 100 i).
+
+    Returns its batches; none when it writes into ``replay_buffer``.
     """
     collector = RayCollector(
         [functools.partial(seeded, make_env, 100 * i) for i in range(COLLECTORS)],
