@@ -87,6 +87,16 @@ def collector_rate(make_env, frames, filtered):
         collector.shutdown()
 
 
+def _filling_rate(collector, rb):
+    """Rows per second a collector given ``rb`` stores, after one untimed batch."""
+    it = iter(collector)
+    next(it)
+    n0, t = len(rb), time.perf_counter()
+    for _ in it:
+        pass
+    return (len(rb) - n0) / (time.perf_counter() - t)
+
+
 def multi_rate(name, frames, filtered):
     """A MultiSyncCollector of two GymEnv(num_envs=4) given the buffer."""
     make = functools.partial(gym_env, name, ENVS // 2)
@@ -97,12 +107,7 @@ def multi_rate(name, frames, filtered):
         [make] * 2, None, frames_per_batch=BATCH, total_frames=frames + BATCH, replay_buffer=rb
     )
     try:
-        it = iter(collector)
-        next(it)
-        n0, t = len(rb), time.perf_counter()
-        for _ in it:
-            pass
-        return (len(rb) - n0) / (time.perf_counter() - t)
+        return _filling_rate(collector, rb)
     finally:
         collector.shutdown()
 
@@ -129,12 +134,7 @@ def ray_rate(name, frames, filtered):
         remote_configs={"num_cpus": 1},
     )
     try:
-        it = iter(collector)
-        next(it)
-        n0, t = len(rb), time.perf_counter()
-        for _ in it:
-            pass
-        return (len(rb) - n0) / (time.perf_counter() - t)
+        return _filling_rate(collector, rb)
     finally:
         collector.shutdown()
         rb.close()
