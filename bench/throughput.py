@@ -3,9 +3,12 @@
 ``python -m bench.throughput [--frames 16384]`` runs, for CartPole-v1 and
 Pendulum-v1 with a random policy and 8 envs, each producer into a
 ``ReplayBuffer(LazyTensorStorage)``, and prints clean frames per second
-(rows stored per second of wall time) and the filter's share of the
-producer's time: ``1 - rate with the filter / rate of the same producer
-without it``. The producers:
+(rows stored per second of wall time), the same producer's rate without
+the filter (its rows dirty), and the filter's share of the producer's
+time: clean frames/s times the seconds the filter takes per frame,
+measured in this process on the task's recorded batches (a difference of
+two rates would drown in the run-to-run noise of multi-process
+producers). The producers:
 
 * ``GymWrapper`` over a Gymnasium vector env in ``DISABLED`` / ``SAME_STEP``
   mode, sync and async, through a ``Collector``: clean without cleanbuf;
@@ -13,7 +16,8 @@ without it``. The producers:
   ``Collector``, with the filter;
 * a ``MultiSyncCollector`` of two such envs (4 envs each) given the
   filtered buffer;
-* a ``RayCollector`` of two workers extending a filtered ``RayReplayBuffer``
+* a ``RayCollector`` of two ``GymEnv(name, num_envs=4)`` workers extending
+  a filtered ``RayReplayBuffer``
   (``ray.init(num_cpus=2)``; its start-up is not timed);
 * a raw Gymnasium sync vector-env loop and a raw EnvPool loop, next-step,
   one ``rb.extend(cleanbuf.step_rows(...))`` per step.
@@ -78,23 +82,34 @@ def collector_rate(make_env, frames, filtered):
     try:
         it = iter(collector)
         # Unfiltered, flat rows (a [E, T] batch would be stored as E rows).
-        rb.extend(next(it) if filtered else next(it).reshape(-1))  # untimed
-        n0, t = len(rb), time.perf_counter()
+        rb.extend(next(it) if filtered else _flat(next(it)))  # untimed
+        n0, t0 = len(rb), time.perf_counter()
         for batch in it:
-            rb.extend(batch if filtered else batch.reshape(-1))
-        return (len(rb) - n0) / (time.perf_counter() - t)
+            rb.extend(batch if filtered else _flat(batch))
+            t1 = time.perf_counter()  # not the env's close after the last batch
+        return (len(rb) - n0) / (t1 - t0)
     finally:
         collector.shutdown()
 
 
+def _flat(batch):
+    """A collector's ``[E, T]`` batch as flat rows (a flat storage stores them as rows)."""
+    return batch.reshape(-1)
+
+
 def _filling_rate(collector, rb):
-    """Rows per second a collector given ``rb`` stores, after one untimed batch."""
+    """Rows per second a collector given ``rb`` stores, after one untimed batch.
+
+    The clock stops at the last batch: a collector that reaches its
+    ``total_frames`` shuts its envs down before the loop ends (an async
+    vector env's 8 processes take seconds to join).
+    """
     it = iter(collector)
     next(it)
-    n0, t = len(rb), time.perf_counter()
+    n0, t0 = len(rb), time.perf_counter()
     for _ in it:
-        pass
-    return (len(rb) - n0) / (time.perf_counter() - t)
+        n1, t1 = len(rb), time.perf_counter()
+    return (n1 - n0) / (t1 - t0)
 
 
 def multi_rate(name, frames, filtered):
@@ -113,13 +128,11 @@ def multi_rate(name, frames, filtered):
 
 
 def ray_rate(name, frames, filtered):
-    """Two RayCollector workers (GymWrapper over a next-step sync vector env)
-    extending a RayReplayBuffer.
-    """
+    """Two RayCollector workers, each a GymEnv(num_envs=4), extending a RayReplayBuffer."""
     from torchrl.collectors.distributed import RayCollector
     from torchrl.data import RayReplayBuffer
 
-    make = functools.partial(wrapped, name, gym.vector.AutoresetMode.NEXT_STEP, "sync", ENVS // 2)
+    make = functools.partial(gym_env, name, ENVS // 2)
     rb = RayReplayBuffer(
         storage=functools.partial(LazyTensorStorage, frames + 8 * BATCH),
         transform=_filter(make(), filtered),
@@ -132,6 +145,8 @@ def ray_rate(name, frames, filtered):
         total_frames=frames + 2 * BATCH,
         replay_buffer=rb,
         remote_configs={"num_cpus": 1},
+        # Unfiltered, flat rows (as collector_rate stores them).
+        collector_kwargs=None if filtered else {"postproc": _flat},
     )
     try:
         return _filling_rate(collector, rb)
@@ -172,6 +187,47 @@ def raw_envpool_rate(name, frames, filtered):
     return raw_rate(name, frames, filtered, envpool=True)
 
 
+def _record_batches(name, frames):
+    """A GymEnv(num_envs=8) collector's [8, 32] batches, cloned."""
+    env = gym_env(name)
+    collector = Collector(env, None, frames_per_batch=BATCH, total_frames=frames)
+    try:
+        return env, [b.clone() for b in collector]
+    finally:
+        collector.shutdown()
+
+
+def _record_steps(name, frames):
+    """A raw sync next-step loop's step rows, one [8] batch per step."""
+    env = gym.make_vec(name, num_envs=ENVS, vectorization_mode="sync")
+    obs, _ = env.reset(seed=0)
+    steps = []
+    for _ in range(frames // ENVS):
+        action = env.action_space.sample()
+        next_obs, reward, terminated, truncated, _ = env.step(action)
+        steps.append(cleanbuf.step_rows(obs, action, next_obs, reward, terminated, truncated))
+        obs = next_obs
+    return steps
+
+
+def filter_seconds_per_frame(make_filter, batches):
+    """Seconds a fresh filter spends per frame cleaning ``batches`` (best of 3).
+
+    The filter is called as a postproc, so no storage write is timed; one
+    untimed pass first compiles the kernels.
+    """
+    frames = sum(b.numel() for b in batches)
+    best = float("inf")
+    for i in range(4):
+        filt = make_filter()
+        t = time.perf_counter()
+        for b in batches:
+            filt(b)
+        if i:
+            best = min(best, time.perf_counter() - t)
+    return best / frames
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=16384)
@@ -185,42 +241,57 @@ def main() -> None:
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     modes = gym.vector.AutoresetMode
-    rows = []
+    rows = []  # (task, producer, frames/s without the filter, clean frames/s, share)
+
+    def report(*row):
+        rows.append(row)
+        print(row, flush=True)  # progress (the table follows)
+
     for task, name in TASKS.items():
+        env, batches = _record_batches(name, n)
+        per_frame = {
+            "batches": filter_seconds_per_frame(functools.partial(_filter, env), batches),
+            "steps": filter_seconds_per_frame(
+                functools.partial(AutoresetFilter, "next_step", layout="step"),
+                _record_steps(name, n),
+            ),
+        }
         for mode in (modes.DISABLED, modes.SAME_STEP):
             for vec in ("sync", "async"):
                 make = functools.partial(wrapped, name, mode, vec)
                 rate = collector_rate(make, n, False)
-                rows.append((task, f"GymWrapper {mode.name} {vec}, no filter", rate, None))
+                report(task, f"GymWrapper {mode.name} {vec}, no filter", None, rate, None)
         filtered = [
-            ("GymEnv(num_envs=8) + filter", collector_rate, functools.partial(gym_env, name)),
-            ("MultiSyncCollector, 2 x GymEnv(4) + filter", multi_rate, name),
-            ("RayCollector, 2 workers + filter", ray_rate, name),
-            ("raw Gymnasium sync loop + step_rows + filter", raw_rate, name),
-            ("raw EnvPool loop + step_rows + filter", raw_envpool_rate, name),
+            ("GymEnv(num_envs=8) + filter", collector_rate, gym_env, "batches"),
+            ("MultiSyncCollector, 2 x GymEnv(4) + filter", multi_rate, None, "batches"),
+            ("RayCollector, 2 x GymEnv(4) + filter", ray_rate, None, "batches"),
+            ("raw Gymnasium sync loop + step_rows + filter", raw_rate, None, "steps"),
+            ("raw EnvPool loop + step_rows + filter", raw_envpool_rate, None, "steps"),
         ]
-        for label, run, arg in filtered:
+        for label, run, make, layout in filtered:
             if args.no_ray and run is ray_rate:
                 continue
-            with_f = run(arg, n, True)
-            # Unfiltered, the workers write [E, T] chunks into the flat
-            # storage and die: no baseline, no share.
-            share = None if run is multi_rate else 1 - with_f / run(arg, n, False)
-            rows.append((task, label, with_f, share))
+            arg = name if make is None else functools.partial(make, name)
+            # Unfiltered, a multi-process collector's workers write [E, T]
+            # chunks into the flat storage and die: no such rate.
+            without = None if run is multi_rate else run(arg, n, False)
+            rate = run(arg, n, True)
+            report(task, label, without, rate, rate * per_frame[layout])
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores; python "
         f"{platform.python_version()}, torch {torch.__version__}, torchrl "
         f"{torchrl.__version__}, gymnasium {gym.__version__}, numpy {np.__version__}, "
         f"cleanbuf {cleanbuf.__version__}; {n} frames a run, {ENVS} envs, random policy"
     )
-    print("| task | producer | clean frames/s | filter's share of the time |")
-    print("|---|---|---|---|")
-    for task, label, rate, share in rows:
+    print("| task | producer | frames/s, no filter | clean frames/s | filter's share |")
+    print("|---|---|---|---|---|")
+    for task, label, without, rate, share in rows:
+        w = "-" if without is None else f"{without:.0f}"
         s = "-" if share is None else f"{100 * share:.1f}%"
-        print(f"| {task} | {label} | {rate:.0f} | {s} |")
+        print(f"| {task} | {label} | {w} | {rate:.0f} | {s} |")
     for task in TASKS:
-        best = max((r for r in rows if r[0] == task), key=lambda r: r[2])
-        print(f"fastest clean producer, {task}: {best[1]} ({best[2]:.0f} frames/s)")
+        best = max((r for r in rows if r[0] == task), key=lambda r: r[3])
+        print(f"fastest clean producer, {task}: {best[1]} ({best[3]:.0f} frames/s)")
 
 
 if __name__ == "__main__":

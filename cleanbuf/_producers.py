@@ -55,11 +55,14 @@ class Reading:
         why: a short reason (shown in the filter's repr).
         warning: a prediction the user should hear at construction (that
             the producer will lose terminal observations), or None.
+        streams: the streams in one batch of a ``RayCollector``'s remote
+            collector (read there), else None.
     """
 
     options: dict
     why: str
     warning: str | None = None
+    streams: int | None = None
 
 
 def _time_limit(vec: Any) -> tuple[str, int] | None:
@@ -104,6 +107,8 @@ def _collector_options(collector: Any) -> Reading:
     """
     from torchrl.collectors import MultiCollector
 
+    if type(collector).__name__ == "RayCollector":
+        return _ray_collector_options(collector)
     if isinstance(collector, MultiCollector):
         reading, obs_keys = _multi_collector_options(collector)
     else:
@@ -177,6 +182,49 @@ def _multi_collector_options(collector: Any) -> tuple[Reading, list]:
             why += ", one worker's batch at a time, told apart by trajectory ids"
     reading.why = why
     return reading, obs_keys
+
+
+def _ray_collector_options(collector: Any) -> Reading:
+    """The options for a TorchRL ``RayCollector``, read in its first remote collector.
+
+    Every remote collector is taken to run the same kind of env. A filter
+    in the buffer actor (``RayReplayBuffer(transform=filt)``) or in each
+    collector (``collector_kwargs={"postproc": filt}``) runs in a Ray
+    actor, where it tells the collectors apart by itself. On the driver, a
+    sync collector's batches stack the collectors' envs (each collector
+    its own reset group); an async one's come from one collector at a
+    time, with trajectory ids that collide between collectors: refused.
+    """
+    import ray
+
+    remotes = collector.remote_collectors
+    reading = ray.get(remotes[0].__ray_call__.remote(_remote_options))
+    n = len(remotes)
+    opts = reading.options
+    reading.why = f"RayCollector of {n} collectors: {reading.why}"
+    if collector.replay_buffer is not None or n == 1:
+        return reading
+    if not collector._sync:
+        raise CleanbufError(
+            f"an async RayCollector of {n} collectors without a replay buffer yields one "
+            "collector's batch at a time, and their trajectory ids collide, so a filter on "
+            "the driver cannot tell whose streams a batch continues. Put the filter where "
+            "it runs in a Ray actor: in the buffer (RayReplayBuffer(transform=filt), "
+            "replay_buffer=rb) or in each collector (collector_kwargs={'postproc': filt}); "
+            "or use sync=True, whose batches stack every collector's envs."
+        )
+    if opts.get("joint_reset") and opts.get("reset_group_size") is None:
+        opts["reset_group_size"] = reading.streams  # a collector resets its own envs
+    reading.why += ", batches stacking every collector's envs"
+    return reading
+
+
+def _remote_options(remote_collector: Any) -> Reading:
+    """Runs in a remote collector's actor: its options, and its streams per batch."""
+    reading = _collector_options(remote_collector)
+    env = getattr(remote_collector, "env", None)
+    reading.streams = int(math.prod(env.batch_size)) if env is not None else None
+    return reading
 
 
 def _torchrl_options(env: Any) -> Reading:

@@ -108,9 +108,14 @@ class AutoresetFilter(Transform):
     copy publishes its state, so that :attr:`stats` and :meth:`flush` in the
     parent cover them all.
 
+    **A collector's postproc.** Called on its own rather than by a buffer
+    (``Collector(..., postproc=filt)``), the filter cleans each batch the
+    collector yields or writes (:meth:`forward`).
+
     **Ray.** Pickled while Ray is running (``RayReplayBuffer(...,
-    transform=filt)``, or a ``RayCollector``'s ``postproc``), the filter
-    does the same through a small Ray actor, on any node. Inside a Ray
+    transform=filt)``, or ``RayCollector(..., collector_kwargs={"postproc":
+    filt})``), the filter does the same through a small Ray actor, on any
+    node. Inside a Ray
     actor the filter takes batches from several producers (each
     ``RayCollector`` worker extending the buffer): each batch goes to the
     producer whose streams it continues, by trajectory ids and
@@ -360,9 +365,16 @@ class AutoresetFilter(Transform):
         self._cleaner = cleaners[self._copy[1]]
         return None if rb is not None else rows
 
-    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
+    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
         if self._bypass:
             return tensordict
+        out = self._clean(tensordict)
+        # ReplayBuffer.extend / add store nothing for None (their writers
+        # reject an empty batch).
+        return out if out.batch_size[0] else None
+
+    def _clean(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """One call of the cleaner on ``tensordict``: the flat rows it leaves."""
         if self.parent is not None:
             raise RuntimeError(
                 "AutoresetFilter is a replay-buffer transform: put it in "
@@ -385,9 +397,7 @@ class AutoresetFilter(Transform):
                 self._warn_lost(self._cleaner.count("terminal_obs_missing") - lost)
             if self._copies is not None:
                 self._publish()
-        # ReplayBuffer.extend / add store nothing for None (their writers
-        # reject an empty batch).
-        return out if out.batch_size[0] else None
+        return out
 
     def _watch_nan(self) -> bool:
         """Whether a call may still owe the NaN warning of :meth:`_warn_lost`.
@@ -427,12 +437,22 @@ class AutoresetFilter(Transform):
         )
 
     def _check_storage(self) -> None:
-        """Refuses a buffer whose storage has more than one batch dimension.
+        """Refuses a buffer that cannot take the filter's rows.
 
-        The filter's output is flat rows, which TorchRL cannot write there
-        (it fails after the filter has moved on).
+        The filter's output is flat rows, which TorchRL cannot write into a
+        storage with more than one batch dimension (it fails after the
+        filter has moved on). A ``RayReplayBuffer(transport="distributed")``
+        binds the size of an extend's reply at its first extend, and the
+        number of rows the filter leaves changes from call to call.
         """
         rb = calling_replay_buffer()
+        if getattr(rb, "_distributed_service", None) is not None:
+            raise LayoutError(
+                "this RayReplayBuffer uses transport='distributed', which fixes the size of "
+                "every extend's reply at the first extend; the number of rows AutoresetFilter "
+                "leaves differs from call to call, so the second extend would fail. Use "
+                "transport='ray' (the default). Nothing was written."
+            )
         storage = getattr(rb, "storage", None) if rb is not None else None
         ndim = getattr(storage, "ndim", 1)
         if ndim > 1:
@@ -447,7 +467,32 @@ class AutoresetFilter(Transform):
         self._storage_checked = True  # once per process: a frame walk is not free
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        return tensordict
+        """Cleans a batch when the filter is a collector's ``postproc``.
+
+        In a replay buffer (``transform=``), the filter works on the write
+        path only and this is the identity on sampled rows. On its own
+        (``Collector(..., postproc=filt)``, ``RayCollector(...,
+        collector_kwargs={"postproc": filt})``) it cleans the batch as
+        ``rb.extend`` would and returns the rows: a batch with no row left
+        when everything was dropped or held, which a collector can pass on.
+
+        Examples:
+            >>> import torch
+            >>> from tensordict import TensorDict
+            >>> filt = AutoresetFilter("next_step")
+            >>> batch = TensorDict({  # [E=1, T=3]: done at t=0, reset row at t=1
+            ...     "observation": torch.tensor([[[0.0], [5.0], [10.0]]]),
+            ...     ("next", "observation"): torch.tensor([[[0.0], [10.0], [11.0]]]),
+            ...     ("next", "reward"): torch.tensor([[[1.0], [0.0], [1.0]]]),
+            ...     ("next", "done"): torch.tensor([[[True], [False], [False]]]),
+            ... }, batch_size=[1, 3])
+            >>> filt(batch)["next", "observation"].flatten().tolist()
+            [5.0, 11.0]
+        """
+        container = self.__dict__.get("_container")
+        if container is not None and container() is not None:
+            return tensordict  # sampled rows
+        return self._clean(tensordict)
 
     def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
         return next_tensordict

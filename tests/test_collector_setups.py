@@ -15,6 +15,7 @@ from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter
+from tests.batches import assert_same_rows
 from tests.invariants import check_invariants
 from tests.oracle import (
     compare_streams,
@@ -137,3 +138,30 @@ def test_slice_sampler_over_trajectory_ids_stays_in_one_episode():
     count = sample["step_count"].squeeze(-1)
     assert (count[:, 1:] == count[:, :-1] + 1).all(), "a slice crosses an episode or a gap"
     assert torch.equal(sample["next", "observation"][:, :-1], sample["observation"][:, 1:])
+
+
+def test_filter_as_a_collector_postproc():
+    """``Collector(..., postproc=filt)`` yields the rows the filter stores as
+    the buffer's transform, and sampling that buffer leaves its filter alone.
+    Bugs caught: ``forward`` as the identity (a postproc filter passing
+    reset rows and zeroed terminal observations through), ``forward``
+    cleaning sampled rows (``rb.sample()`` changing the filter's state, or
+    refusing the sample as a broken stream).
+    """
+    want_filt, want_rb = _run({})
+    env = make_env("CartPole-v1", E)
+    filt = AutoresetFilter.for_env(env)
+    collector = Collector(
+        env, push_left_policy, frames_per_batch=E * T, total_frames=E * T * BATCHES, postproc=filt
+    )
+    batches = [b for b in collector]
+    collector.shutdown()
+    env.close()
+    held = filt.flush()
+    rows = torch.cat([*batches, held]) if held.batch_size[0] else torch.cat(batches)
+    assert_same_rows(rows, want_rb[: len(want_rb)])
+    assert filt.stats == want_filt.stats
+
+    before = want_filt.stats
+    sample = want_rb.sample(64)
+    assert sample.batch_size == (64,) and want_filt.stats == before
