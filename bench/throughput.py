@@ -20,15 +20,19 @@ producers). The producers:
   a filtered ``RayReplayBuffer``
   (``ray.init(num_cpus=2)``; its start-up is not timed);
 * a raw Gymnasium sync vector-env loop and a raw EnvPool loop, next-step,
-  one ``rb.extend(cleanbuf.step_rows(...))`` per step.
+  one ``rb.extend(cleanbuf.step_rows(...))`` per step; and the Gymnasium
+  loop extending once per 32 steps, their rows stacked as ``[E, 32]``.
 
-Each rate is one run after one untimed batch. Not part of the tests.
+Each rate is one run after one untimed batch. The rows go to
+``bench/throughput.json`` and the plot to ``bench/throughput.png``
+(``--replot`` redraws it from the JSON). Not part of the tests.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import platform
 import time
@@ -40,12 +44,14 @@ import torch
 import torchrl
 from torchrl.collectors import Collector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
-from torchrl.envs import GymEnv, GymWrapper
+from torchrl.envs import GymEnv, GymWrapper, Transform
 
 import cleanbuf
 from cleanbuf import AutoresetFilter
 
 ENVS, BATCH = 8, 256
+JSON, PNG = "bench/throughput.json", "bench/throughput.png"
+STACK = 32  # steps per extend in the stacked raw loop
 TASKS = {"cartpole": "CartPole-v1", "pendulum": "Pendulum-v1"}
 
 
@@ -97,6 +103,21 @@ def _flat(batch):
     return batch.reshape(-1)
 
 
+class FlatRows(Transform):
+    """A buffer transform that stores each batch as flat rows, and does nothing else.
+
+    The unfiltered Ray baseline: flattened in the buffer's actor, where
+    the filter runs, not before Ray carries it (Ray carries a ``[256]``
+    batch as 256 tensordicts, at a third of the rate of a ``[4, 64]`` one).
+    """
+
+    def __init__(self):
+        super().__init__(in_keys=[], out_keys=[])
+
+    def _inv_call(self, tensordict):
+        return _flat(tensordict)
+
+
 def _filling_rate(collector, rb):
     """Rows per second a collector given ``rb`` stores, after one untimed batch.
 
@@ -135,7 +156,7 @@ def ray_rate(name, frames, filtered):
     make = functools.partial(gym_env, name, ENVS // 2)
     rb = RayReplayBuffer(
         storage=functools.partial(LazyTensorStorage, frames + 8 * BATCH),
-        transform=_filter(make(), filtered),
+        transform=_filter(make(), filtered) if filtered else FlatRows(),
         remote_config={"num_cpus": 0},
     )
     collector = RayCollector(
@@ -145,8 +166,6 @@ def ray_rate(name, frames, filtered):
         total_frames=frames + 2 * BATCH,
         replay_buffer=rb,
         remote_configs={"num_cpus": 1},
-        # Unfiltered, flat rows (as collector_rate stores them).
-        collector_kwargs=None if filtered else {"postproc": _flat},
     )
     try:
         return _filling_rate(collector, rb)
@@ -155,11 +174,18 @@ def ray_rate(name, frames, filtered):
         rb.close()
 
 
-def raw_rate(name, frames, filtered, envpool=False):
-    """A raw next-step loop, one rb.extend(step_rows(...)) per step."""
+def _raw_filter(per_extend):
+    if per_extend == 1:
+        return AutoresetFilter("next_step", layout="step")
+    # Steps stacked as [E, T]; a raw loop's done row holds its terminal observation.
+    return AutoresetFilter("next_step", layout="time_last", terminal_obs_in_done_row=True)
+
+
+def raw_rate(name, frames, filtered, envpool=False, per_extend=1):
+    """A raw next-step loop, one rb.extend of ``per_extend`` steps of step_rows."""
     rb = ReplayBuffer(
-        storage=LazyTensorStorage(frames + 4 * ENVS),
-        transform=AutoresetFilter("next_step", layout="step") if filtered else None,
+        storage=LazyTensorStorage(frames + 4 * ENVS * per_extend),
+        transform=_raw_filter(per_extend) if filtered else None,
     )
     if envpool:
         import envpool
@@ -169,22 +195,30 @@ def raw_rate(name, frames, filtered, envpool=False):
         env = gym.make_vec(name, num_envs=ENVS, vectorization_mode="sync")
     space = env.action_space
     obs, _ = env.reset(seed=0)
-    steps, t = frames // ENVS, None
-    for i in range(steps + 1):
-        if i == 1:
+    pending, t = [], None
+    for i in range(frames // ENVS + per_extend):
+        if i == per_extend:  # after one untimed extend
             n0, t = len(rb), time.perf_counter()
         if envpool:  # one env's action space
             action = np.stack([space.sample() for _ in range(ENVS)]).astype(space.dtype)
         else:
             action = space.sample()
         next_obs, reward, terminated, truncated, _ = env.step(action)
-        rb.extend(cleanbuf.step_rows(obs, action, next_obs, reward, terminated, truncated))
+        pending.append(cleanbuf.step_rows(obs, action, next_obs, reward, terminated, truncated))
         obs = next_obs
+        if len(pending) == per_extend:
+            batch = pending[0] if per_extend == 1 else torch.stack(pending, dim=-1)
+            rb.extend(batch if filtered or per_extend == 1 else _flat(batch))
+            pending = []
     return (len(rb) - n0) / (time.perf_counter() - t)
 
 
 def raw_envpool_rate(name, frames, filtered):
     return raw_rate(name, frames, filtered, envpool=True)
+
+
+def raw_stacked_rate(name, frames, filtered):
+    return raw_rate(name, frames, filtered, per_extend=STACK)
 
 
 def _record_batches(name, frames):
@@ -228,11 +262,46 @@ def filter_seconds_per_frame(make_filter, batches):
     return best / frames
 
 
+def plot(rows, path):
+    """Bars of clean frames/s by producer, one panel per task; the filter's
+    share of each producer's time is written on its bar.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(r[0] for r in rows))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), sharey=True)
+    for ax, task in zip(np.atleast_1d(axes), tasks):
+        mine = [r for r in rows if r[0] == task]
+        y = np.arange(len(mine))
+        colors = ["tab:gray" if r[4] is None else "tab:blue" for r in mine]
+        ax.barh(y, [r[3] for r in mine], color=colors)
+        for i, r in enumerate(mine):
+            if r[4] is not None:
+                ax.text(r[3], i, f" filter {100 * r[4]:.1f}%", va="center", fontsize=8)
+        ax.set_yticks(y, [r[1] for r in mine], fontsize=8)
+        ax.set_title(task)
+        ax.set_xlabel("clean frames/s (gray: clean without cleanbuf)")
+    axes_list = list(np.atleast_1d(axes))
+    axes_list[0].invert_yaxis()  # the first producer on top (the panels share this axis)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=16384)
     parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument(
+        "--replot", action="store_true", help="redraw the plot from bench/throughput.json"
+    )
     args = parser.parse_args()
+    if args.replot:
+        with open(JSON) as f:
+            plot(json.load(f)["rows"], PNG)
+        return
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     n = args.frames
@@ -249,12 +318,12 @@ def main() -> None:
 
     for task, name in TASKS.items():
         env, batches = _record_batches(name, n)
+        steps = _record_steps(name, n)
+        stacked = [torch.stack(steps[i : i + STACK], dim=-1) for i in range(0, len(steps), STACK)]
         per_frame = {
             "batches": filter_seconds_per_frame(functools.partial(_filter, env), batches),
-            "steps": filter_seconds_per_frame(
-                functools.partial(AutoresetFilter, "next_step", layout="step"),
-                _record_steps(name, n),
-            ),
+            "steps": filter_seconds_per_frame(functools.partial(_raw_filter, 1), steps),
+            "stacked": filter_seconds_per_frame(functools.partial(_raw_filter, STACK), stacked),
         }
         for mode in (modes.DISABLED, modes.SAME_STEP):
             for vec in ("sync", "async"):
@@ -267,6 +336,12 @@ def main() -> None:
             ("RayCollector, 2 x GymEnv(4) + filter", ray_rate, None, "batches"),
             ("raw Gymnasium sync loop + step_rows + filter", raw_rate, None, "steps"),
             ("raw EnvPool loop + step_rows + filter", raw_envpool_rate, None, "steps"),
+            (
+                f"raw Gymnasium sync loop, {STACK} steps of step_rows per extend + filter",
+                raw_stacked_rate,
+                None,
+                "stacked",
+            ),
         ]
         for label, run, make, layout in filtered:
             if args.no_ray and run is ray_rate:
@@ -292,6 +367,9 @@ def main() -> None:
     for task in TASKS:
         best = max((r for r in rows if r[0] == task), key=lambda r: r[3])
         print(f"fastest clean producer, {task}: {best[1]} ({best[3]:.0f} frames/s)")
+    with open(JSON, "w") as f:
+        json.dump({"frames": n, "rows": rows}, f, indent=1)
+    plot(rows, PNG)
 
 
 if __name__ == "__main__":

@@ -217,7 +217,9 @@ class AutoresetFilter(Transform):
         observation-only, ``set_truncated=True`` adds batch-end marks), a
         ``MultiSyncCollector`` or ``MultiAsyncCollector`` (each worker its
         own reset group; an async collector's batches told apart by
-        trajectory ids), a Gymnasium ``VectorEnv``, a Stable-Baselines3
+        trajectory ids), a ``RayCollector`` (read in its first remote
+        collector; a sync one's stacked batches, each collector its own
+        reset group), a Gymnasium ``VectorEnv``, a Stable-Baselines3
         ``VecEnv`` or an EnvPool env.
 
         Args:

@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from cleanbuf import AutoresetFilter, clean
-from tests.batches import next_step_batch
+from tests.batches import assert_same_rows, next_step_batch
 
 
 def test_clean_returns_the_kind_it_got():
@@ -93,3 +93,49 @@ def test_step_rows_reads_gymnasium_and_sb3_infos_with_dict_observations():
     assert rows["next", "truncated"].reshape(-1).tolist() == [False, True, False]
     assert not rows["next", "terminated"].any() and rows["next", "done"].reshape(-1)[1]
     assert rows["next", "final_obs", "cam"][1].tolist() == [7, 7, 7, 7]
+
+
+def test_stacked_steps_clean_like_single_steps():
+    """The README's faster raw loop: 32 steps of ``step_rows`` stacked as
+    ``[E, 32]`` per extend (``layout="time_last"``,
+    ``terminal_obs_in_done_row=True``) store, env by env, the rows that one
+    extend per step stores. Bugs caught: a reset row kept or a real step
+    dropped when a done row ends one stacked call and its reset row opens
+    the next, the raw loop's terminal observation overwritten by the next
+    row's, a stream's rows reordered.
+    """
+    import gymnasium as gym
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    import cleanbuf
+
+    envs, steps, stack = 4, 320, 32
+    venv = gym.make_vec("CartPole-v1", num_envs=envs, vectorization_mode="sync")
+    venv.action_space.seed(0)
+    obs, _ = venv.reset(seed=0)
+    rows = []
+    for _ in range(steps):
+        action = venv.action_space.sample()
+        next_obs, reward, terminated, truncated, _ = venv.step(action)
+        step = cleanbuf.step_rows(obs, action, next_obs, reward, terminated, truncated)
+        step.set("env", torch.arange(envs))
+        rows.append(step)
+        obs = next_obs
+    venv.close()
+    assert sum(bool(r["next", "done"].any()) for r in rows) > steps // 40, "too few episode ends"
+
+    def store(filt, calls):
+        rb = ReplayBuffer(storage=LazyTensorStorage(steps * envs), transform=filt)
+        for call in calls:
+            rb.extend(call)
+        filt.flush(rb)
+        out = rb[: len(rb)]
+        return [out[out["env"] == e] for e in range(envs)]
+
+    one = store(AutoresetFilter("next_step", layout="step"), rows)
+    stacked_filt = AutoresetFilter("next_step", layout="time_last", terminal_obs_in_done_row=True)
+    calls = [torch.stack(rows[i : i + stack], dim=-1) for i in range(0, steps, stack)]
+    stacked = store(stacked_filt, calls)
+    for e in range(envs):
+        assert_same_rows(stacked[e], one[e], f"env {e}")
+    assert stacked_filt.stats["reset_rows_dropped"] > 0

@@ -276,6 +276,25 @@ def test_checkpoint_through_the_actor(tmp_path):
         rb.close()
 
 
+def test_an_error_in_the_buffer_actor_reaches_the_driver():
+    """A filter that refuses a collector's batch inside the buffer's actor
+    (a same-step filter given next-step data). Ray 2.60 fails to pass the
+    error on from the collector actor that called ``extend`` (a TypeError in
+    its ``store_task_errors``), so the driver gets ``ActorDiedError``.
+    Bugs caught: the filter's message missing from what the driver gets
+    (only "the actor died"), rows of the refused batch stored.
+    """
+    rb = _ray_buffer(AutoresetFilter("same_step"))
+    try:
+        with pytest.raises(ray.exceptions.RayError) as err:
+            _collect(worker_env, sync=True, replay_buffer=rb)
+        assert "TerminalObservationLostError" in str(err.value)
+        assert "Nothing was written" in str(err.value)
+        assert len(rb) == 0
+    finally:
+        rb.close()
+
+
 def test_distributed_transport_is_refused():
     """Bug caught: the filter in a ``transport="distributed"`` buffer, whose
     second extend fails deep in TorchRL (the reply size is fixed by the
