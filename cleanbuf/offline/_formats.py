@@ -329,11 +329,26 @@ class Writer:
         )
 
     def write(self, rows: TensorDictBase) -> None:
-        """Appends rows (a slice write: ``rb.extend`` scatters by index, 2x slower)."""
+        """Appends rows (a slice write: ``rb.extend`` scatters by index, 2x slower).
+
+        Leaves the cleaner already gathered into their place (:meth:`slot`)
+        are not copied onto themselves; the last row goes through the
+        storage, which then counts the rows written.
+        """
         m = rows.batch_size[0]
-        if m:
-            self.rb.storage.set(slice(self.n, self.n + m), rows)
-            self.n += m
+        if not m:
+            return
+        lo, hi = self.n, self.n + m
+        fields = plain_leaves(rows) if self._leaves else None
+        if fields is not None and fields.keys() == self._leaves.keys():
+            for key, value in fields.items():
+                dest = self._leaves[key][lo:hi]
+                if value.data_ptr() != dest.data_ptr() or value.shape != dest.shape:
+                    dest.copy_(value)
+            self.rb.storage.set(slice(hi - 1, hi), rows[m - 1 :])
+        else:
+            self.rb.storage.set(slice(lo, hi), rows)
+        self.n = hi
 
     def slot(self, key: Any, rows: int) -> torch.Tensor | None:
         """The output's next ``rows`` rows of ``key``, to gather into; None if not laid out."""
