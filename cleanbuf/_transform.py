@@ -115,11 +115,11 @@ class AutoresetFilter(Transform):
     **Ray.** Pickled while Ray is running (``RayReplayBuffer(...,
     transform=filt)``, or ``RayCollector(..., collector_kwargs={"postproc":
     filt})``), the filter does the same through a small Ray actor, on any
-    node. Inside a Ray
-    actor the filter takes batches from several producers (each
-    ``RayCollector`` worker extending the buffer): each batch goes to the
-    producer whose streams it continues, by trajectory ids and
-    observations, and a batch that continues none starts a new producer.
+    node. Inside a Ray actor the filter takes batches from several
+    producers (each ``RayCollector`` worker extending the buffer): each
+    batch goes to the producer whose streams it continues, by trajectory
+    ids and observations, and a batch that continues none starts a new
+    producer.
 
     **Honest failure modes.** A supposed reset row with a nonzero reward or
     a done flag raises :class:`~cleanbuf.ResetRowError` (wrong mode or
