@@ -34,7 +34,7 @@ from cleanbuf import _checks, _flags
 from cleanbuf._carry import Carry
 from cleanbuf._continuity import CallEnds, LastRows
 from cleanbuf._errors import CleanbufError, ContinuityError, InputError, key_name
-from cleanbuf._groups import candidates, trajectory_ends
+from cleanbuf._groups import candidates, first_restarts, trajectory_ends
 from cleanbuf._kernels import MARKED, NEED_INIT, PENDING, SHIFT, WAITING, Selection, plan_rows
 from cleanbuf._keys import (
     TRAJ_IDS,
@@ -204,7 +204,11 @@ class Cleaner:
         if key is None:
             return self._clean(td)
         first, last = trajectory_ends(td, key)
-        matching, others = candidates(self._groups, first)
+        restarts = None
+        if self.many_producers and self.options.producer_key is None:
+            opts = self.options  # pools of their own: an id may be shared by chance
+            restarts = first_restarts(td, opts.is_init_key, opts.step_count_key)
+        matching, others = candidates(self._groups, first, restarts)
         refused = None
         for group in matching:
             try:
@@ -215,8 +219,12 @@ class Cleaner:
         else:
             if refused is not None and not self.many_producers:
                 raise refused
-            group = others[0]  # nothing open to continue: it cannot be refused
-            out = self._clean_as(group, td)
+            for group in others:  # the last, a new producer, refuses nothing
+                try:
+                    out = self._clean_as(group, td)
+                    break
+                except ContinuityError:
+                    continue  # an id it shares by chance: its open streams say no
         self._carry.traj_ids = last
         if group == len(self._groups):
             self._groups.append(self._carry)

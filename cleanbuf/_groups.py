@@ -34,7 +34,24 @@ def trajectory_ends(td: TensorDictBase, key: tuple) -> tuple[np.ndarray, np.ndar
     return ids[:, 0].cpu().numpy(), ids[:, -1].cpu().numpy()
 
 
-def candidates(groups: list[Carry], first_ids: np.ndarray) -> tuple[list[int], list[int]]:
+def first_restarts(td: TensorDictBase, is_init_key, step_count_key) -> np.ndarray | None:
+    """Per stream, whether the batch's first row starts an episode after a real reset.
+
+    Read from ``is_init`` where the batch has it, else ``step_count == 0``;
+    None when it has neither. ``td`` is ``[*E, T]``.
+    """
+    streams = int(np.prod(td.batch_size[:-1]))
+    for key, starts in ((is_init_key, lambda v: v != 0), (step_count_key, lambda v: v == 0)):
+        value = td.get(key, None) if key is not None else None
+        if value is not None:
+            first = value.reshape(streams, td.batch_size[-1], -1)[:, 0, 0]
+            return np.asarray(starts(first.cpu().numpy()), np.bool_)
+    return None
+
+
+def candidates(
+    groups: list[Carry], first_ids: np.ndarray, restarts: np.ndarray | None = None
+) -> tuple[list[int], list[int]]:
     """The producers a batch may continue, most likely first.
 
     Within a producer, a stream keeps its trajectory id until its episode
@@ -49,6 +66,12 @@ def candidates(groups: list[Carry], first_ids: np.ndarray) -> tuple[list[int], l
     boundary shares no id: the producers it is consistent with come next,
     the one whose ids are closest below the batch's first, then any
     producer with nothing held, pending or open, and a new one.
+
+    ``restarts`` (producers with pools of their own) says which streams
+    start an episode after a real reset in the batch's first row. Such an
+    episode has a new id, so a producer whose last id it repeats shares it
+    by chance: it comes after the producers the batch is consistent with
+    (its continuity check would pass, a restart continuing anything).
 
     Returns:
         ``(matching, others)``: the consistent producers sharing an id with
@@ -65,8 +88,10 @@ def candidates(groups: list[Carry], first_ids: np.ndarray) -> tuple[list[int], l
         ([], [1, 0, 2])
         >>> candidates([], np.array([8, 9]))  # the first producer
         ([], [0])
+        >>> candidates([a, b], np.array([5, 6]), restarts=np.array([True, True]))
+        ([], [0, 1, 2])
     """
-    matching, restarted = [], []
+    matching, restarted, by_chance = [], [], []
     for g, carry in enumerate(groups):
         last = carry.traj_ids
         if len(last) != len(first_ids):
@@ -77,11 +102,13 @@ def candidates(groups: list[Carry], first_ids: np.ndarray) -> tuple[list[int], l
         open_ = carry.last.open
         if len(open_) == len(same) and np.any(open_ & ~same):
             continue  # an open stream keeps its id
-        if same.any():
+        if restarts is not None and np.any(same & restarts):
+            by_chance.append(g)
+        elif same.any():
             matching.append(g)
         else:
             restarted.append((int(first_ids.min() - last.max()), g))
     blank = [g for g, carry in enumerate(groups) if carry.is_blank()]
-    others = [g for _, g in sorted(restarted)]
+    others = [g for _, g in sorted(restarted)] + by_chance
     others += [g for g in blank if g not in others and g not in matching]
     return matching, [*others, len(groups)]

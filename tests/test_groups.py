@@ -1,0 +1,108 @@
+"""Batches of several producers whose trajectory ids collide (Ray collectors).
+
+Inside a Ray actor the cleaner keeps one carry per producer and sends each
+batch to the producer whose streams it continues. Hand-made TorchRL-like
+``[2, 3]`` batches (next-step, joint resets, ``is_init``, ``step_count``,
+trajectory ids) set up the case a real run meets now and then: a producer
+whose every stream ended at the batch boundary starts new episodes with
+ids that another producer's open streams carry.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from cleanbuf._cleaner import Cleaner
+from cleanbuf._options import Options
+from tests.batches import assert_same_rows
+
+
+def _batch(obs, nxt, reward, is_init, count, ids):
+    """A ``[2, 3]`` TorchRL-like batch from per-stream lists.
+
+    A row is done where its next observation is 0 (TorchRL zero-fills a
+    done row's terminal observation); ``("next", "step_count")`` is the
+    row's count plus one.
+    """
+
+    def col(values, dtype):
+        return torch.tensor(values, dtype=dtype).unsqueeze(-1)
+
+    nxt_t = col(nxt, torch.float32)
+    count_t = col(count, torch.int64)
+    return TensorDict(
+        {
+            "observation": col(obs, torch.float32),
+            "is_init": col(is_init, torch.bool),
+            "step_count": count_t,
+            ("collector", "traj_ids"): torch.tensor(ids),
+            ("next", "observation"): nxt_t,
+            ("next", "reward"): col(reward, torch.float32),
+            ("next", "done"): nxt_t == 0,
+            ("next", "is_init"): torch.zeros(2, 3, 1, dtype=torch.bool),
+            ("next", "step_count"): count_t + 1,
+        },
+        batch_size=[2, 3],
+    )
+
+
+def test_an_id_shared_by_chance_does_not_route_a_restart():
+    """Producer B's streams are open with trajectory ids 3 and 4, and B's
+    stream 0 owes a step-count shift (its reset row was dropped in this
+    episode). Producer A's streams both ended at its batch boundary (a
+    joint reset), and its next batch starts new episodes with ids 3 and 4
+    (its own pool). Bug caught: A's batch routed to B, whose open streams
+    it seems to continue (a restart continues anything, and the ids
+    match): B's pending shift dropped, and B's next batch cleaned against
+    A's streams, its step counts one too high ("step count jumped", as in
+    a Ray run with two collectors).
+    """
+    options = Options.build("next_step", joint_reset=True)
+    b1 = _batch(  # stream 0: done, reset row (reward 0, is_init, count 0), new episode
+        obs=[[10, 11, 50], [20, 21, 22]],
+        nxt=[[0, 50, 51], [21, 22, 23]],
+        reward=[[1, 0, 1], [1, 1, 1]],
+        is_init=[[False, True, False], [False, False, False]],
+        count=[[7, 0, 1], [5, 6, 7]],
+        ids=[[1, 3, 3], [4, 4, 4]],
+    )
+    a1 = _batch(  # both streams end on the last row: a joint reset
+        obs=[[100, 101, 102], [200, 201, 202]],
+        nxt=[[101, 102, 0], [201, 202, 0]],
+        reward=[[1, 1, 1], [1, 1, 1]],
+        is_init=[[True, False, False], [True, False, False]],
+        count=[[0, 1, 2], [0, 1, 2]],
+        ids=[[1, 1, 1], [2, 2, 2]],
+    )
+    a2 = _batch(  # new episodes, new ids of A's pool: B's open ids
+        obs=[[300, 301, 302], [400, 401, 402]],
+        nxt=[[301, 302, 303], [401, 402, 403]],
+        reward=[[1, 1, 1], [1, 1, 1]],
+        is_init=[[True, False, False], [True, False, False]],
+        count=[[0, 1, 2], [0, 1, 2]],
+        ids=[[3, 3, 3], [4, 4, 4]],
+    )
+    b2 = _batch(  # B goes on
+        obs=[[51, 52, 53], [23, 24, 25]],
+        nxt=[[52, 53, 54], [24, 25, 26]],
+        reward=[[1, 1, 1], [1, 1, 1]],
+        is_init=[[False, False, False], [False, False, False]],
+        count=[[2, 3, 4], [8, 9, 10]],
+        ids=[[3, 3, 3], [4, 4, 4]],
+    )
+    alone = {"a": Cleaner(options), "b": Cleaner(options)}
+    shared = Cleaner(options)
+    shared.many_producers = True
+    for producer, batch in (("b", b1), ("a", a1), ("a", a2), ("b", b2)):
+        want = alone[producer](batch)
+        assert_same_rows(shared(batch), want, f"producer {producer}")
+    assert alone["b"].stats["reset_rows_dropped"] == 1
+    held = [h for h in (c.flush() for c in alone.values()) if h.batch_size[0]]
+    rest = shared.flush()
+    if held:
+        assert_same_rows(rest, torch.cat(held))
+    else:
+        assert rest.batch_size[0] == 0
+    total = {k: alone["a"].stats[k] + alone["b"].stats[k] for k in shared.stats}
+    assert shared.stats == total
