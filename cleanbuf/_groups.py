@@ -91,7 +91,7 @@ def candidates(
         >>> candidates([a, b], np.array([5, 6]), restarts=np.array([True, True]))
         ([], [0, 1, 2])
     """
-    matching, restarted, by_chance = [], [], []
+    matching, ended, restarted, by_chance = [], [], [], []
     for g, carry in enumerate(groups):
         last = carry.traj_ids
         if len(last) != len(first_ids):
@@ -100,14 +100,23 @@ def candidates(
         if not np.all(same | (first_ids > last.max())):
             continue
         open_ = carry.last.open
-        if len(open_) == len(same) and np.any(open_ & ~same):
+        if len(open_) != len(same):
+            open_ = np.zeros(len(same), np.bool_)
+        if np.any(open_ & ~same):
             continue  # an open stream keeps its id
         if restarts is not None and np.any(same & restarts):
             by_chance.append(g)
-        elif same.any():
+        elif np.any(same & open_):
             matching.append(g)
+        elif same.any():
+            # Only on streams that ended: an episode's end changes its id,
+            # unless the end was a collector's batch-end mark. Another
+            # producer's open stream with that id comes first (the
+            # continuity check cannot refuse a stream that ended).
+            ended.append(g)
         else:
             restarted.append((int(first_ids.min() - last.max()), g))
+    matching += ended
     blank = [g for g, carry in enumerate(groups) if carry.is_blank()]
     others = [g for _, g in sorted(restarted)] + by_chance
     others += [g for g in blank if g not in others and g not in matching]

@@ -91,10 +91,82 @@ def test_an_id_shared_by_chance_does_not_route_a_restart():
         count=[[2, 3, 4], [8, 9, 10]],
         ids=[[3, 3, 3], [4, 4, 4]],
     )
+    _check_routing(options, (("b", b1), ("a", a1), ("a", a2), ("b", b2)))
+
+
+def _check_routing(options, calls):
+    """One cleaner for both producers stores, call by call, what one cleaner
+    per producer stores; the flushes and the stats agree too.
+    """
     alone = {"a": Cleaner(options), "b": Cleaner(options)}
     shared = Cleaner(options)
     shared.many_producers = True
-    for producer, batch in (("b", b1), ("a", a1), ("a", a2), ("b", b2)):
+    for producer, batch in calls:
+        want = alone[producer](batch)
+        assert_same_rows(shared(batch), want, f"producer {producer}")
+    assert alone["b"].stats["reset_rows_dropped"] == 1
+    held = [h for h in (c.flush() for c in alone.values()) if h.batch_size[0]]
+    rest = shared.flush()
+    if held:
+        assert_same_rows(rest, torch.cat(held))
+    else:
+        assert rest.batch_size[0] == 0
+    total = {k: alone["a"].stats[k] + alone["b"].stats[k] for k in shared.stats}
+    assert shared.stats == total
+
+
+def test_an_id_of_an_ended_stream_does_not_take_another_producers_batch():
+    """Producer A (the first producer) ends both its streams on a batch's
+    last row, with ids 5 and 2; producer B's open streams carry ids 5 and 2,
+    and B's stream 0 owes a step-count shift. Bug caught (seen in Ray runs
+    of two collectors, "step count jumped"): B's next batch taken for A's,
+    because A comes first and the continuity check cannot refuse a stream
+    that ended, although an episode's end changes its id: B's shift lost.
+    """
+    options = Options.build("next_step", joint_reset=True)
+    a0 = _batch(
+        obs=[[100, 101, 102], [200, 201, 202]],
+        nxt=[[101, 102, 103], [201, 202, 203]],
+        reward=[[1, 1, 1], [1, 1, 1]],
+        is_init=[[True, False, False], [True, False, False]],
+        count=[[0, 1, 2], [0, 1, 2]],
+        ids=[[5, 5, 5], [2, 2, 2]],
+    )
+    b1 = _batch(  # stream 0: done, reset row (reward 0, is_init, count 0), new episode
+        obs=[[10, 11, 50], [20, 21, 22]],
+        nxt=[[0, 50, 51], [21, 22, 23]],
+        reward=[[1, 0, 1], [1, 1, 1]],
+        is_init=[[False, True, False], [False, False, False]],
+        count=[[7, 0, 1], [5, 6, 7]],
+        ids=[[1, 5, 5], [2, 2, 2]],
+    )
+    a1 = _batch(  # both streams end on the last row: a joint reset
+        obs=[[103, 104, 105], [203, 204, 205]],
+        nxt=[[104, 105, 0], [204, 205, 0]],
+        reward=[[1, 1, 1], [1, 1, 1]],
+        is_init=[[False, False, False], [False, False, False]],
+        count=[[3, 4, 5], [3, 4, 5]],
+        ids=[[5, 5, 5], [2, 2, 2]],
+    )
+    b2 = _batch(  # B goes on with ids 5 and 2
+        obs=[[51, 52, 53], [23, 24, 25]],
+        nxt=[[52, 53, 54], [24, 25, 26]],
+        reward=[[1, 1, 1], [1, 1, 1]],
+        is_init=[[False, False, False], [False, False, False]],
+        count=[[2, 3, 4], [8, 9, 10]],
+        ids=[[5, 5, 5], [2, 2, 2]],
+    )
+    _check_routing(options, (("a", a0), ("b", b1), ("a", a1), ("b", b2)))
+
+
+def _check_routing(options, calls):
+    """One cleaner for both producers stores, call by call, what one cleaner
+    per producer stores; the flushes and the stats agree too.
+    """
+    alone = {"a": Cleaner(options), "b": Cleaner(options)}
+    shared = Cleaner(options)
+    shared.many_producers = True
+    for producer, batch in calls:
         want = alone[producer](batch)
         assert_same_rows(shared(batch), want, f"producer {producer}")
     assert alone["b"].stats["reset_rows_dropped"] == 1

@@ -126,12 +126,6 @@ def _check_flushed_buffer(filt, rb, oracle, min_rows=T * BATCHES // 4):
     assert filt.stats == stats and len(rb) == stats["rows_out"]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug, open: now and then (3 of 7 sync runs here) a done row held at a "
-    "batch boundary is stored without the step-count shift of its episode "
-    "('step count jumped'), when several Ray collectors share the buffer's filter",
-)
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
 def test_ray_collectors_share_one_filtered_buffer(sync, oracle):
     """Both collectors extend the buffer; the filter in its actor cleans them.
