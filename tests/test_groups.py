@@ -3,9 +3,10 @@
 Inside a Ray actor the cleaner keeps one carry per producer and sends each
 batch to the producer whose streams it continues. Hand-made TorchRL-like
 ``[2, 3]`` batches (next-step, joint resets, ``is_init``, ``step_count``,
-trajectory ids) set up the case a real run meets now and then: a producer
-whose every stream ended at the batch boundary starts new episodes with
-ids that another producer's open streams carry.
+trajectory ids) set up the cases a real run meets now and then: the ids
+another producer's open streams carry, met again on the new episodes of a
+producer whose every stream ended at the batch boundary, or on the ended
+streams of a producer that comes first.
 """
 
 from __future__ import annotations
