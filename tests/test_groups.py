@@ -48,6 +48,76 @@ def _batch(obs, nxt, reward, is_init, count, ids):
     )
 
 
+OPTIONS = Options.build("next_step", joint_reset=True)
+
+
+def _b_owing_a_shift(ids):
+    """Producer B's batch: stream 0 ends, its reset row (reward 0, ``is_init``,
+    count 0) is dropped, and its new episode owes a step-count shift; stream
+    1 stays open. ``ids``: the two streams' ids from the reset row on.
+    """
+    return _batch(
+        obs=[[10, 11, 50], [20, 21, 22]],
+        nxt=[[0, 50, 51], [21, 22, 23]],
+        reward=[[1, 0, 1], [1, 1, 1]],
+        is_init=[[False, True, False], [False, False, False]],
+        count=[[7, 0, 1], [5, 6, 7]],
+        ids=[[1, ids[0], ids[0]], [ids[1]] * 3],
+    )
+
+
+def _b_going_on(ids):
+    """Producer B's next batch, continuing :func:`_b_owing_a_shift`."""
+    return _batch(
+        obs=[[51, 52, 53], [23, 24, 25]],
+        nxt=[[52, 53, 54], [24, 25, 26]],
+        reward=[[1, 1, 1], [1, 1, 1]],
+        is_init=[[False, False, False], [False, False, False]],
+        count=[[2, 3, 4], [8, 9, 10]],
+        ids=[[ids[0]] * 3, [ids[1]] * 3],
+    )
+
+
+def _a_rows(obs0, count0, ids, *, start, ends):
+    """Producer A's batch: two streams from observations ``obs0``, counts from
+    ``count0``; ``start``: new episodes; ``ends``: both end on the last row
+    (a joint reset).
+    """
+    obs = [[o + t for t in range(3)] for o in obs0]
+    nxt = [[o + 1 for o in row] for row in obs]
+    if ends:
+        nxt = [row[:-1] + [0] for row in nxt]
+    return _batch(
+        obs=obs,
+        nxt=nxt,
+        reward=[[1, 1, 1], [1, 1, 1]],
+        is_init=[[start, False, False], [start, False, False]],
+        count=[[count0 + t for t in range(3)]] * 2,
+        ids=[[ids[0]] * 3, [ids[1]] * 3],
+    )
+
+
+def _check_routing(calls):
+    """One cleaner for both producers stores, call by call, what one cleaner
+    per producer stores; the flushes and the stats agree too.
+    """
+    alone = {"a": Cleaner(OPTIONS), "b": Cleaner(OPTIONS)}
+    shared = Cleaner(OPTIONS)
+    shared.many_producers = True
+    for producer, batch in calls:
+        want = alone[producer](batch)
+        assert_same_rows(shared(batch), want, f"producer {producer}")
+    assert alone["b"].stats["reset_rows_dropped"] == 1
+    held = [h for h in (c.flush() for c in alone.values()) if h.batch_size[0]]
+    rest = shared.flush()
+    if held:
+        assert_same_rows(rest, torch.cat(held))
+    else:
+        assert rest.batch_size[0] == 0
+    total = {k: alone["a"].stats[k] + alone["b"].stats[k] for k in shared.stats}
+    assert shared.stats == total
+
+
 def test_an_id_shared_by_chance_does_not_route_a_restart():
     """Producer B's streams are open with trajectory ids 3 and 4, and B's
     stream 0 owes a step-count shift (its reset row was dropped in this
@@ -59,61 +129,14 @@ def test_an_id_shared_by_chance_does_not_route_a_restart():
     A's streams, its step counts one too high ("step count jumped", as in
     a Ray run with two collectors).
     """
-    options = Options.build("next_step", joint_reset=True)
-    b1 = _batch(  # stream 0: done, reset row (reward 0, is_init, count 0), new episode
-        obs=[[10, 11, 50], [20, 21, 22]],
-        nxt=[[0, 50, 51], [21, 22, 23]],
-        reward=[[1, 0, 1], [1, 1, 1]],
-        is_init=[[False, True, False], [False, False, False]],
-        count=[[7, 0, 1], [5, 6, 7]],
-        ids=[[1, 3, 3], [4, 4, 4]],
+    _check_routing(
+        (
+            ("b", _b_owing_a_shift((3, 4))),
+            ("a", _a_rows((100, 200), 0, (1, 2), start=True, ends=True)),
+            ("a", _a_rows((300, 400), 0, (3, 4), start=True, ends=False)),  # B's open ids
+            ("b", _b_going_on((3, 4))),
+        )
     )
-    a1 = _batch(  # both streams end on the last row: a joint reset
-        obs=[[100, 101, 102], [200, 201, 202]],
-        nxt=[[101, 102, 0], [201, 202, 0]],
-        reward=[[1, 1, 1], [1, 1, 1]],
-        is_init=[[True, False, False], [True, False, False]],
-        count=[[0, 1, 2], [0, 1, 2]],
-        ids=[[1, 1, 1], [2, 2, 2]],
-    )
-    a2 = _batch(  # new episodes, new ids of A's pool: B's open ids
-        obs=[[300, 301, 302], [400, 401, 402]],
-        nxt=[[301, 302, 303], [401, 402, 403]],
-        reward=[[1, 1, 1], [1, 1, 1]],
-        is_init=[[True, False, False], [True, False, False]],
-        count=[[0, 1, 2], [0, 1, 2]],
-        ids=[[3, 3, 3], [4, 4, 4]],
-    )
-    b2 = _batch(  # B goes on
-        obs=[[51, 52, 53], [23, 24, 25]],
-        nxt=[[52, 53, 54], [24, 25, 26]],
-        reward=[[1, 1, 1], [1, 1, 1]],
-        is_init=[[False, False, False], [False, False, False]],
-        count=[[2, 3, 4], [8, 9, 10]],
-        ids=[[3, 3, 3], [4, 4, 4]],
-    )
-    _check_routing(options, (("b", b1), ("a", a1), ("a", a2), ("b", b2)))
-
-
-def _check_routing(options, calls):
-    """One cleaner for both producers stores, call by call, what one cleaner
-    per producer stores; the flushes and the stats agree too.
-    """
-    alone = {"a": Cleaner(options), "b": Cleaner(options)}
-    shared = Cleaner(options)
-    shared.many_producers = True
-    for producer, batch in calls:
-        want = alone[producer](batch)
-        assert_same_rows(shared(batch), want, f"producer {producer}")
-    assert alone["b"].stats["reset_rows_dropped"] == 1
-    held = [h for h in (c.flush() for c in alone.values()) if h.batch_size[0]]
-    rest = shared.flush()
-    if held:
-        assert_same_rows(rest, torch.cat(held))
-    else:
-        assert rest.batch_size[0] == 0
-    total = {k: alone["a"].stats[k] + alone["b"].stats[k] for k in shared.stats}
-    assert shared.stats == total
 
 
 def test_an_id_of_an_ended_stream_does_not_take_another_producers_batch():
@@ -124,58 +147,11 @@ def test_an_id_of_an_ended_stream_does_not_take_another_producers_batch():
     because A comes first and the continuity check cannot refuse a stream
     that ended, although an episode's end changes its id: B's shift lost.
     """
-    options = Options.build("next_step", joint_reset=True)
-    a0 = _batch(
-        obs=[[100, 101, 102], [200, 201, 202]],
-        nxt=[[101, 102, 103], [201, 202, 203]],
-        reward=[[1, 1, 1], [1, 1, 1]],
-        is_init=[[True, False, False], [True, False, False]],
-        count=[[0, 1, 2], [0, 1, 2]],
-        ids=[[5, 5, 5], [2, 2, 2]],
+    _check_routing(
+        (
+            ("a", _a_rows((100, 200), 0, (5, 2), start=True, ends=False)),
+            ("b", _b_owing_a_shift((5, 2))),
+            ("a", _a_rows((103, 203), 3, (5, 2), start=False, ends=True)),
+            ("b", _b_going_on((5, 2))),
+        )
     )
-    b1 = _batch(  # stream 0: done, reset row (reward 0, is_init, count 0), new episode
-        obs=[[10, 11, 50], [20, 21, 22]],
-        nxt=[[0, 50, 51], [21, 22, 23]],
-        reward=[[1, 0, 1], [1, 1, 1]],
-        is_init=[[False, True, False], [False, False, False]],
-        count=[[7, 0, 1], [5, 6, 7]],
-        ids=[[1, 5, 5], [2, 2, 2]],
-    )
-    a1 = _batch(  # both streams end on the last row: a joint reset
-        obs=[[103, 104, 105], [203, 204, 205]],
-        nxt=[[104, 105, 0], [204, 205, 0]],
-        reward=[[1, 1, 1], [1, 1, 1]],
-        is_init=[[False, False, False], [False, False, False]],
-        count=[[3, 4, 5], [3, 4, 5]],
-        ids=[[5, 5, 5], [2, 2, 2]],
-    )
-    b2 = _batch(  # B goes on with ids 5 and 2
-        obs=[[51, 52, 53], [23, 24, 25]],
-        nxt=[[52, 53, 54], [24, 25, 26]],
-        reward=[[1, 1, 1], [1, 1, 1]],
-        is_init=[[False, False, False], [False, False, False]],
-        count=[[2, 3, 4], [8, 9, 10]],
-        ids=[[5, 5, 5], [2, 2, 2]],
-    )
-    _check_routing(options, (("a", a0), ("b", b1), ("a", a1), ("b", b2)))
-
-
-def _check_routing(options, calls):
-    """One cleaner for both producers stores, call by call, what one cleaner
-    per producer stores; the flushes and the stats agree too.
-    """
-    alone = {"a": Cleaner(options), "b": Cleaner(options)}
-    shared = Cleaner(options)
-    shared.many_producers = True
-    for producer, batch in calls:
-        want = alone[producer](batch)
-        assert_same_rows(shared(batch), want, f"producer {producer}")
-    assert alone["b"].stats["reset_rows_dropped"] == 1
-    held = [h for h in (c.flush() for c in alone.values()) if h.batch_size[0]]
-    rest = shared.flush()
-    if held:
-        assert_same_rows(rest, torch.cat(held))
-    else:
-        assert rest.batch_size[0] == 0
-    total = {k: alone["a"].stats[k] + alone["b"].stats[k] for k in shared.stats}
-    assert shared.stats == total
