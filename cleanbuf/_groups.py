@@ -73,10 +73,15 @@ def candidates(
     by chance: it comes after the producers the batch is consistent with
     (its continuity check would pass, a restart continuing anything).
 
+    An episode's end changes its id too (a collector's batch-end mark
+    aside), so a producer sharing the batch's ids only on streams that
+    ended comes after one sharing them on open streams.
+
     Returns:
         ``(matching, others)``: the consistent producers sharing an id with
-        the batch, in order; then the other consistent ones, the blank ones
-        and ``len(groups)`` (a new producer).
+        the batch on an open stream, then those sharing one only on ended
+        streams; then the other consistent ones, those sharing an id by
+        chance, the blank ones and ``len(groups)`` (a new producer).
 
     Examples:
         >>> a, b = Carry(traj_ids=np.array([3, 4])), Carry(traj_ids=np.array([5, 6]))
@@ -108,11 +113,7 @@ def candidates(
             by_chance.append(g)
         elif np.any(same & open_):
             matching.append(g)
-        elif same.any():
-            # Only on streams that ended: an episode's end changes its id,
-            # unless the end was a collector's batch-end mark. Another
-            # producer's open stream with that id comes first (the
-            # continuity check cannot refuse a stream that ended).
+        elif same.any():  # only on ended streams (continuity cannot refuse those)
             ended.append(g)
         else:
             restarted.append((int(first_ids.min() - last.max()), g))
