@@ -367,7 +367,7 @@ class Cleaner:
             steps=layout.steps,
             stream=layout.stream,
             done=call.done,
-            joint=_flags.joint_rows(opts, call.done, mark, layout),
+            joint=_flags.joint_rows(opts, views, call.done, mark, layout),
             final_ok=_flags.NONE if call.final_present is None else call.final_present,
             final_default=bool(call.final_of),
             reward=_flags.reward_rows(opts, views),
@@ -469,6 +469,48 @@ class Cleaner:
         s["rows_held"] = len(carry.held_stream)
 
     # ----------------------------------------------------- flush and state
+    def expect_reset_rows(self, stream_ids: np.ndarray) -> None:
+        """Says that these streams of flat rows start with a reset row.
+
+        For rows that begin after an episode end whose done row is gone (a
+        wrapped buffer overwrote it, and kept its reset row): the reset row
+        is dropped and the next episode's bookkeeping fixed, as after any
+        episode end. ``layout="stream_key"`` only, before the streams'
+        first rows.
+
+        Examples:
+            >>> import torch
+            >>> from tensordict import TensorDict
+            >>> cleaner = Cleaner(Options.build("next_step", stream_key="env"))
+            >>> cleaner.expect_reset_rows(np.array([7]))
+            >>> rows = TensorDict({
+            ...     "env": torch.tensor([7, 7]),
+            ...     "observation": torch.tensor([[5.0], [0.0]]),
+            ...     "step_count": torch.tensor([[0], [1]]),
+            ...     ("next", "observation"): torch.tensor([[0.0], [1.0]]),
+            ...     ("next", "reward"): torch.tensor([[0.0], [1.0]]),
+            ...     ("next", "done"): torch.tensor([[False], [False]]),
+            ... }, batch_size=[2])
+            >>> out = cleaner(rows)  # the reset row goes, the count restarts at 0
+            >>> out["observation"].flatten().tolist(), out["step_count"].flatten().tolist()
+            ([0.0], [0])
+        """
+        carry = self._carry
+        known = np.zeros(0, np.int64) if carry.stream_ids is None else carry.stream_ids
+        ids = np.asarray(stream_ids, np.int64)
+        if self.options.layout != "stream_key" or np.isin(ids, known).any():
+            raise CleanbufError(
+                "expect_reset_rows() goes with layout='stream_key', before the streams' "
+                f"first rows; got layout={self.options.layout!r}, stream ids {ids.tolist()} "
+                f"(known: {known.tolist()})."
+            )
+        carry = carry.grown(len(known) + len(ids))
+        carry.per_stream = carry.per_stream.copy()
+        carry.per_stream[PENDING, len(known) :] = 1
+        carry.stream_ids = np.concatenate([known, ids])
+        carry.layout_kind, carry.stream_shape = "stream_key", (len(known) + len(ids),)
+        self._carry = carry
+
     def flush(self) -> TensorDictBase:
         """Returns the held rows (flat ``[H]``) and forgets them.
 
@@ -588,6 +630,12 @@ class Cleaner:
                 raise InputError(
                     f"stream key {key_name(opts.stream_key)} is missing from the "
                     "batch; it must hold each row's stream (env) id."
+                )
+            if opts.joint_key is not None and opts.joint_key not in td.keys(include_nested=True):
+                raise InputError(
+                    f"joint key {key_name(opts.joint_key)} is missing from the batch; it "
+                    "must hold, per row, True on a done row whose whole reset group was "
+                    "done on that step."
                 )
             ids = td.get(opts.stream_key)
             return resolve(td.batch_size, names, opts.layout, ids, self._carry.stream_ids)

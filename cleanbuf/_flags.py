@@ -74,15 +74,20 @@ def reward_rows(options: Options, rows: Views) -> np.ndarray:
 
 
 def joint_rows(
-    options: Options, done: np.ndarray, mark: np.ndarray, layout: CallLayout
+    options: Options, rows: Views, done: np.ndarray, mark: np.ndarray, layout: CallLayout
 ) -> np.ndarray:
     """Per row, done at a step where its whole reset group is done (``joint_reset``).
+
+    Read from the done flags of each step, or, for flat rows, from
+    ``joint_key``.
 
     A collector's undecided batch-end marks do not count (if they hid a
     real joint reset, the next row is a restart).
     """
     if not options.joint_reset:
         return NONE
+    if options.joint_key is not None:  # flat rows: the flags come with them
+        return done & row_flags("joint_key", options.joint_key, rows)
     n_streams = layout.n_streams
     group = options.reset_group_size or n_streams
     reset_groups(group, n_streams, layout.stream_shape)

@@ -70,6 +70,7 @@ class Options:
     stream_key: tuple | None = None
     joint_reset: bool = False
     reset_group_size: int | None = None
+    joint_key: tuple | None = None
     on_lost_terminal_obs: str | None = None
     terminal_obs_in_done_row: bool | None = None
     check_reset_rows: bool = True
@@ -167,18 +168,28 @@ class Options:
             raise CleanbufError(
                 f"on_lost_terminal_obs={policy!r} is not known; pass one of {LOST_POLICIES}."
             )
-        joint = bool(kwargs.get("joint_reset", False))
-        group = kwargs.get("reset_group_size")
-        if group is not None and (not joint or int(group) < 1):
+        joint_key = _key(kwargs.pop("joint_key", None))
+        if joint_key is not None and layout != "stream_key":
             raise CleanbufError(
-                f"reset_group_size={group!r} needs joint_reset=True and a positive "
-                "number of streams per reset group."
+                f"joint_key={joint_key!r} goes with layout='stream_key'; with time-aligned "
+                "streams (layout None or 'step') pass joint_reset=True, and the joint "
+                "resets are read from the done flags of each step."
             )
-        if joint and layout == "stream_key":
+        joint = bool(kwargs.get("joint_reset", False)) or joint_key is not None
+        kwargs["joint_reset"] = joint
+        group = kwargs.get("reset_group_size")
+        if group is not None and (not joint or joint_key is not None or int(group) < 1):
+            raise CleanbufError(
+                f"reset_group_size={group!r} needs joint_reset=True (not joint_key) and a "
+                "positive number of streams per reset group."
+            )
+        if joint and layout == "stream_key" and joint_key is None:
             raise CleanbufError(
                 "joint_reset=True needs time-aligned streams (layout None or 'step'); "
                 "with layout='stream_key' the rows of one step cannot be told apart. "
-                "Extend the buffer with the collector's [*E, T] batches instead."
+                "Extend the buffer with the collector's [*E, T] batches instead, or pass "
+                "joint_key=KEY, a key holding True on each done row whose whole reset "
+                "group was done on that step."
             )
         obs_keys = kwargs.pop("observation_keys", None)
         if obs_keys is not None:
@@ -195,10 +206,10 @@ class Options:
                 f"next-step data; it does not go with mode={mode!r} (TorchRL repairs "
                 "same-step and disabled producers itself, and their marks pass through)."
             )
-        if kwargs.get("joint_reset") and mode != "next_step":
+        if joint and mode != "next_step":
             raise CleanbufError(
-                f"joint_reset=True describes next-step data (TorchRL's joint reset); "
-                f"it does not go with mode={mode!r}."
+                f"joint_reset=True (or joint_key=) describes next-step data (TorchRL's "
+                f"joint reset); it does not go with mode={mode!r}."
             )
         if kwargs.get("producer_key") is not None and layout not in (None, "time_last"):
             raise CleanbufError(
@@ -219,6 +230,7 @@ class Options:
             mode=mode,
             layout=layout,
             stream_key=stream_key,
+            joint_key=joint_key,
             observation_keys=obs_keys,
             **kwargs,
         )

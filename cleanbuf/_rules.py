@@ -56,9 +56,10 @@ def terminal_obs_in_done_row(options: Options, layout_kind: str | None) -> bool:
     """Whether a done row already holds its terminal observation.
 
     As configured (``terminal_obs_in_done_row``), else True except for
-    time-last (TorchRL collector) batches, whose done rows TorchRL
-    zero-fills; raw Gymnasium and EnvPool loops keep it.
+    time-last (TorchRL collector) batches and rows with ``joint_key``
+    (TorchRL's joint reset), whose done rows TorchRL zero-fills; raw
+    Gymnasium and EnvPool loops keep it.
     """
     if options.terminal_obs_in_done_row is not None:
         return options.terminal_obs_in_done_row
-    return layout_kind != "time_last"
+    return layout_kind != "time_last" and options.joint_key is None

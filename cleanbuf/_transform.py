@@ -143,6 +143,11 @@ class AutoresetFilter(Transform):
             envs are done at once (TorchRL ``GymEnv(num_envs=N)``).
         reset_group_size: streams per reset group (consecutive in C order);
             None means all streams of a call.
+        joint_key: with ``layout="stream_key"``: a key holding, per row,
+            True on a done row whose whole reset group was done on that
+            step (a joint reset: no reset row follows, the terminal
+            observation is lost). Implies ``joint_reset``; flat rows do not
+            show which rows share a step, so the flag comes with them.
         on_lost_terminal_obs: "nan", "drop", "raise" or "keep". None (the
             default) is, in next-step mode, "nan" for floating observations
             and an error for integer ones; in same-step mode an error.
@@ -150,7 +155,7 @@ class AutoresetFilter(Transform):
             observation in the done row itself (raw Gymnasium and EnvPool
             loops do; TorchRL zero-fills it). If so, done rows are emitted at
             once instead of waiting for their reset row. None: True except
-            for the time-last (collector) layout.
+            for the time-last (collector) layout and with ``joint_key``.
         check_reset_rows: check that each reset row has reward 0 and is not
             done.
         observation_keys: list of observation keys; None discovers every key
@@ -524,7 +529,9 @@ class AutoresetFilter(Transform):
         parts = [f"mode={o.mode!r}"]
         if o.layout is not None:
             parts.append(f"layout={o.layout!r}")
-        if o.joint_reset:
+        if o.joint_key is not None:
+            parts.append(f"joint_key={o.joint_key!r}")
+        elif o.joint_reset:
             parts.append(f"joint_reset=True, reset_group_size={o.reset_group_size}")
         if o.on_lost_terminal_obs is not None:
             parts.append(f"on_lost_terminal_obs={o.on_lost_terminal_obs!r}")

@@ -355,8 +355,26 @@ def test_observation_keys_partly_observation_only():
 
 def test_joint_reset_with_same_step():
     """Bug caught: a next-step-only option silently ignored in same-step mode."""
-    with pytest.raises(CleanbufError, match="joint_reset=True describes next-step data"):
+    with pytest.raises(CleanbufError, match=r"joint_reset=True \(or joint_key=\) describes"):
         AutoresetFilter("same_step", joint_reset=True)
+
+
+def test_joint_key_misuse():
+    """Bugs caught: joint_reset=True on flat rows refused without naming the
+    way that works (joint_key), a joint_key silently ignored on time-aligned
+    batches, a batch without the joint key read as having no joint reset.
+    """
+    with pytest.raises(CleanbufError, match="joint_key=KEY"):
+        AutoresetFilter("next_step", stream_key="env", joint_reset=True)
+    with pytest.raises(CleanbufError, match="joint_key=.*goes with layout='stream_key'"):
+        AutoresetFilter("next_step", joint_key="joint")
+    filt = AutoresetFilter("next_step", stream_key="env", joint_key="joint")
+    rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=filt)
+    rows = next_step_batch(2, 12).reshape(-1)
+    rows.set("env", torch.arange(2).repeat_interleave(12))
+    with pytest.raises(InputError, match="joint key 'joint' is missing from the batch"):
+        rb.extend(rows)
+    assert len(rb) == 0 and filt.stats["rows_in"] == 0
 
 
 def test_step_rows_bad_input():

@@ -7,7 +7,7 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter, clean
-from tests.batches import next_step_batch
+from tests.batches import assert_same_rows, next_step_batch
 
 
 def _joint_batch():
@@ -50,6 +50,27 @@ def test_lost_terminal_observation_policies():
     with pytest.raises(Exception, match="on_lost_terminal_obs='raise'"):
         rb.extend(batch)
     assert len(rb) == 0 and filt.stats["rows_in"] == 0
+
+
+def test_joint_key_on_flat_rows_cleans_as_time_aligned_batches():
+    """Flat rows with an env id and a per-row joint flag (``joint_key``)
+    clean as the same [E, T] batch does with ``joint_reset=True``. Bugs
+    caught: the flag ignored on flat rows (the next episode's first row
+    dropped as a reset row, or ResetRowError), the flag read on rows that
+    are not done, rows of one env mixed with another's.
+    """
+    batch = _joint_batch()
+    n_envs, steps = batch.batch_size
+    batch.set("env", torch.arange(n_envs).unsqueeze(1).expand(n_envs, steps).clone())
+    done = batch["next", "done"].squeeze(-1)
+    batch.set("joint", done & done.all(0, keepdim=True))  # every env done on the step
+    want, want_stats = clean(batch, joint_reset=True, return_stats=True)
+    assert want_stats["terminal_obs_missing"] > 0 and want_stats["reset_rows_dropped"] > 0
+    flat = batch.reshape(-1)
+    got, got_stats = clean(flat, stream_key="env", joint_key="joint", return_stats=True)
+    assert got_stats == want_stats
+    for env in range(n_envs):
+        assert_same_rows(got[got["env"] == env], want[want["env"] == env], f"env {env}")
 
 
 def test_compact_keeps_observation_only_layout():

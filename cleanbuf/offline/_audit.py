@@ -418,6 +418,9 @@ def _verdict(t: dict) -> tuple[str, bool, str, str]:
     else:
         return "disabled", False, "high" if ends >= 3 else "low", f"{ends} clean episode ends"
     joint = mode == "next_step" and lost_alone > 0
+    if joint and reset:  # the ends a joint reset explains count for the verdict too
+        share = (reset + lost_alone) / ends
+        why += f", {lost_alone} without one (joint resets)"
     if share >= 0.9 and ends >= 3 and zero_rate < 0.05:
         confidence = "high"
     elif share >= 0.6:

@@ -1,11 +1,12 @@
 """``cleanbuf clean SRC DST``: clean transitions on disk into a new dataset.
 
-The rows are read in write order, one write (one collector batch) at a
-time, and go through the same cleaner as the replay-buffer filter, each
-tagged with the env the audit recovered (``layout="stream_key"``); the
-cleaned rows are written to a new dataset of SRC's format in a temporary
-directory, renamed to DST at the end. Memory stays that of a few batches
-plus a few index arrays of 8 bytes a row, whatever the size of the rows.
+The rows are read in write order, a few whole writes (collector batches)
+at a time, and go through the same cleaner as the replay-buffer filter,
+each tagged with the env the audit recovered (``layout="stream_key"``);
+the cleaned rows are written to a new dataset of SRC's format in a
+temporary directory, renamed to DST at the end. Memory stays that of a
+piece of ``PIECE_BYTES`` plus a few index arrays of 8 bytes a row,
+whatever the size of the dataset.
 """
 
 from __future__ import annotations
@@ -21,12 +22,20 @@ from tensordict import TensorDictBase
 
 from cleanbuf._cleaner import STAT_NAMES, Cleaner
 from cleanbuf._errors import InputError
+from cleanbuf._keys import DONE_KEYS, done_flags
+from cleanbuf._move import Views
 from cleanbuf._options import Options
 from cleanbuf._pool import BufferPool
 from cleanbuf.offline._audit import Report, analyse, stream_positions
 from cleanbuf.offline._formats import Collect, Dataset, Writer, read
+from cleanbuf.offline._joint import joint_rows
 
-ENV_KEY = "_cleanbuf_env"
+ENV_KEY = "_cleanbuf_env"  # each row's env, as the audit recovered it
+JOINT_KEY = "_cleanbuf_joint"  # each row's joint-reset flag (see _joint.py)
+# Rows cleaned per cleaner call: whole writes, up to this many bytes (at
+# least one write). Each call costs about a millisecond however few rows
+# it gets; the large rows themselves go straight to the output's files.
+PIECE_BYTES = 16 << 20
 
 
 class OutputPool(BufferPool):
@@ -55,10 +64,12 @@ class Cleaned:
     """What :func:`clean_dataset` did.
 
     Attributes:
-        stats: the cleaner's counters, plus ``orphan_reset_rows`` (reset rows
-            at the start of a wrapped buffer whose done row was overwritten:
-            dropped) and ``rows_not_cleaned`` (rows of a partly overwritten
-            batch of joint-reset data: stored as they were).
+        stats: the cleaner's counters, plus ``orphan_reset_rows`` (of the
+            reset rows dropped, those at the start of a wrapped buffer, whose
+            done row was overwritten) and ``rows_not_cleaned`` (rows of a
+            partly overwritten write of joint-reset data whose joint resets
+            the audit could not tell: stored as they were, and counted in
+            ``rows_in`` and ``rows_out``).
         report: the audit of the source.
         rows: the cleaned rows when no destination was given, else None.
     """
@@ -133,40 +144,39 @@ def clean_dataset(
         env_of = np.empty(n, np.int64)
         for env, pos in enumerate(positions):
             env_of[pos] = env
-        skip = _orphans(ds, report, positions) if ds.wrapped and not joint else np.zeros(0, int)
-        stats["orphan_reset_rows"] = len(skip)
+        columns = {ENV_KEY: env_of}
+        key_opts = {"joint_key": JOINT_KEY} if joint else {}
+        cleaner = Cleaner(Options.build(**opts, stream_key=ENV_KEY, **key_opts), pool)
+        lo, hi = 0, n  # the rows cleaned; the others are stored as they were
         if joint:
-            cleaner = Cleaner(Options.build(**opts, joint_reset=True, layout="time_last"), pool)
-            pieces = [(s, e, True) for s, e in streams.batches(n)]
-            loose = np.r_[0 : streams.head, n - streams.tail : n]
-        else:
-            cleaner = Cleaner(Options.build(**opts, stream_key=ENV_KEY), pool)
-            size = streams.steps * streams.envs
-            pieces = [(s, min(s + size, n), False) for s in range(0, n, size)]
-            loose = np.zeros(0, np.int64)
-        if len(loose):  # joint resets need whole batches: the rest is stored as it was
-            rows = ds.rows(loose)
-            writer.write(rows)
-            stats["rows_in"] += len(loose)
-            stats["rows_out"] += len(loose)
-            stats["rows_not_cleaned"] += len(loose)
-        for start, stop, aligned in pieces:
+            flags = _joint_flags(ds, cleaner.options, streams, positions)
+            columns[JOINT_KEY], undecided = flags
+            if undecided.any() and report.confidence != "high":
+                # A step of a partial write whose rows are all done: joint or not
+                # shows only in the reward signature, which the audit doubts.
+                lo, hi = streams.head, n - streams.tail
+        if ds.wrapped and (lo, hi) == (0, n):
+            orphans = _orphans(ds, report, positions)
+            cleaner.expect_reset_rows(env_of[orphans])
+            stats["orphan_reset_rows"] = len(orphans)
+        size = streams.steps * streams.envs
+        size *= max(1, PIECE_BYTES // max(size * _row_bytes(ds), 1))
+        _as_stored(ds, np.arange(0, lo), writer, stats)
+        for start in range(lo, hi, size):
+            stop = min(start + size, hi)
             pos = np.arange(start, stop)
-            if aligned:
-                batch = ds.rows(pos).reshape(streams.envs, streams.steps)
-            else:
-                pos = pos[~np.isin(pos, skip)] if len(skip) else pos
-                batch = ds.rows(pos)
-                batch.set(ENV_KEY, torch.as_tensor(env_of[pos]))
+            batch = ds.rows(pos)
+            for key, column in columns.items():
+                batch.set(key, torch.as_tensor(column[pos]))
             out = cleaner(batch)
-            writer.write(out.exclude(ENV_KEY))
+            writer.write(out.exclude(*columns))
             if bar is not None:
                 bar.update(stop - start)
         rest = cleaner.flush()
-        writer.write(rest.exclude(ENV_KEY))
+        writer.write(rest.exclude(*columns))
+        _as_stored(ds, np.arange(hi, n), writer, stats)
         for k, v in cleaner.stats.items():
             stats[k] += v
-        stats["rows_in"] += len(skip)
         writer.commit()
     except BaseException:
         writer.abort()
@@ -175,6 +185,34 @@ def clean_dataset(
         if bar is not None:
             bar.close()
     return Cleaned(stats, report, writer.rows if dst is None else None)
+
+
+def _as_stored(ds: Dataset, positions: np.ndarray, writer, stats: dict) -> None:
+    """Writes rows as they were, counted in ``rows_not_cleaned``."""
+    if len(positions):
+        writer.write(ds.rows(positions))
+        for name in ("rows_in", "rows_out", "rows_not_cleaned"):
+            stats[name] += len(positions)
+
+
+def _joint_flags(
+    ds: Dataset, options: Options, streams, positions: list
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, a done row of a joint reset, and whether that was undecided."""
+    n = ds.n_rows
+    every = np.arange(n)
+    names = {_tuple(k) for k in ds.data.keys(True, True)}
+    keys = [k for k in (options.done_key, *DONE_KEYS, options.reward_key) if k in names]
+    leaves = {k: torch.as_tensor(ds.column(k, every)) for k in dict.fromkeys(keys)}
+    done = done_flags(Views(leaves, 1, n), options.done_key)
+    reward = leaves[options.reward_key].reshape(n, -1)
+    return joint_rows(done, (reward == 0).all(1).numpy(), streams, positions)
+
+
+def _row_bytes(ds: Dataset) -> int:
+    """The bytes of one row, every key."""
+    leaves = ds.data.values(True, True)
+    return sum(leaf[(0,) * ds.data.batch_dims].nbytes for leaf in leaves)
 
 
 def _orphans(ds: Dataset, report: Report, positions: list) -> np.ndarray:
@@ -194,3 +232,7 @@ def _orphans(ds: Dataset, report: Report, positions: list) -> np.ndarray:
         if float(row["next", "reward"].reshape(-1)[0]) == 0 and not bool(done.any()):
             out.append(int(pos[0]))
     return np.asarray(out, np.int64)
+
+
+def _tuple(key: Any) -> tuple:
+    return key if isinstance(key, tuple) else (key,)
