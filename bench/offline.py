@@ -13,11 +13,13 @@ Before each timed copy or clean, ``os.sync()`` writes out the dirty pages
 of the one before: otherwise the second variant of a round pays for the
 first one's writeback. Each is timed twice: until it returns (its pages
 may still be dirty in the page cache), and until the ``os.sync()`` after
-it has put them on disk. It prints the median times, the clean/copy ratio, the audit's read rate
-and the peak anonymous memory of each clean over the process's memory as
-that clean starts (sampled every 2 ms, after one untimed clean, which
-loads numba's compiler and caches), against one write's rows. Not part of
-the tests.
+it has put them on disk; and its thread's CPU time is taken (steadier
+than either: the kernel's writeback runs in other threads). It prints
+the median times, the clean/copy ratio, the audit's read rate and the
+peak anonymous memory of each clean over the process's memory as that
+clean starts (sampled every 2 ms in a further, untimed clean each round,
+after one untimed clean that loads numba's compiler and caches), against the rows the clean takes at
+a time (whole writes, up to ``PIECE_BYTES``). Not part of the tests.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import shutil
 import statistics
 import tempfile
@@ -37,9 +40,16 @@ from tensordict import TensorDict
 import cleanbuf
 from bench.offline_data import FRAME, write_memmap
 from cleanbuf.offline import audit, clean_dataset
+from cleanbuf.offline._clean_files import PIECE_BYTES
 
 ENVS, STEPS = 4, 64
 ROW_BYTES = 2 * FRAME + 8 + 4 + 1
+
+
+def _user_s() -> float:
+    """User CPU seconds of the calling thread (Linux), else of the process."""
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    return resource.getrusage(who).ru_utime
 
 
 def _anon_mb() -> float:
@@ -85,7 +95,7 @@ def copy(src: str, dst: str, rows_per_chunk: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=2.0, help="dataset size")
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
     torch.set_num_threads(1)
     batches = max(1, int(args.gb * 1e9 / (ENVS * STEPS * ROW_BYTES)))
@@ -104,7 +114,8 @@ def main() -> None:
         warm = os.path.join(root, "warm")
         clean_dataset(src, warm)
         shutil.rmtree(warm)
-        peaks, durable = [], {"copy": [], "clean": []}
+        peaks = []
+        durable, cpu, user = ({"copy": [], "clean": []} for _ in range(3))
         for r in range(args.rounds):
             # Alternated, so neither variant always runs on the other's
             # freshly freed pages.
@@ -112,20 +123,26 @@ def main() -> None:
                 dst = os.path.join(root, name)
                 shutil.rmtree(dst, ignore_errors=True)
                 os.sync()  # no dirty pages of the last variant to flush while timed
-                t = time.perf_counter()
+                t, t_cpu, t_user = time.perf_counter(), time.thread_time(), _user_s()
                 if name == "copy":
                     copy(src, dst, ENVS * STEPS)
                 else:
-                    # Over the process's memory as the clean starts: what the
-                    # copy, the audit or an earlier clean left allocated is
-                    # theirs (a baseline taken once before the rounds counted it).
-                    base = _anon_mb()
-                    with Peak() as peak:
-                        clean_dataset(src, dst)
-                    peaks.append(peak.peak - base)
+                    clean_dataset(src, dst)
                 times[name].append(time.perf_counter() - t)
+                cpu[name].append(time.thread_time() - t_cpu)
+                user[name].append(_user_s() - t_user)
                 os.sync()  # its pages on disk: the time to a durable copy
                 durable[name].append(time.perf_counter() - t)
+            # The memory of a further clean, untimed: sampling /proc every
+            # 2 ms slowed the clean it watched by 10% to 40% here.
+            dst = os.path.join(root, "sampled")
+            shutil.rmtree(dst, ignore_errors=True)
+            # Over the process's memory as the clean starts: what the copy,
+            # the audit or an earlier clean left allocated is theirs.
+            base = _anon_mb()
+            with Peak() as peak:
+                clean_dataset(src, dst)
+            peaks.append(peak.peak - base)
             t = time.perf_counter()
             audit(src)
             times["audit"].append(time.perf_counter() - t)
@@ -152,12 +169,30 @@ def main() -> None:
             f"{statistics.median(durable['clean']):.2f}, {statistics.median(on_disk):.2f}x "
             f"({on_disk[0]:.2f}x, {on_disk[-1]:.2f}x) |"
         )
+        cpu_ratios = sorted(a / b for a, b in zip(cpu["clean"], cpu["copy"]))
+        print(
+            f"| the same, CPU time of the timed thread (user + system, its page faults "
+            f"included), s: copy, clean, ratio (lowest, highest) | "
+            f"{statistics.median(cpu['copy']):.2f}, {statistics.median(cpu['clean']):.2f}, "
+            f"{statistics.median(cpu_ratios):.2f}x ({cpu_ratios[0]:.2f}x, {cpu_ratios[-1]:.2f}x) |"
+        )
+        user_ratios = sorted(a / b for a, b in zip(user["clean"], user["copy"]))
+        print(
+            f"| the same, user CPU time only (the process's own work), s: copy, clean, ratio "
+            f"(lowest, highest) | {statistics.median(user['copy']):.2f}, "
+            f"{statistics.median(user['clean']):.2f}, {statistics.median(user_ratios):.2f}x "
+            f"({user_ratios[0]:.2f}x, {user_ratios[-1]:.2f}x) |"
+        )
         print(f"| audit, warm, GB/s of the dataset | {size / 1e9 / med['audit']:.2f} |")
         print(
             f"| clean: peak anonymous memory over its start, MB, median (highest) | "
             f"{statistics.median(peaks):.1f} ({max(peaks):.1f}) |"
         )
-        print(f"| one write's rows (a chunk), MB | {write_mb:.1f} |")
+        piece_mb = write_mb * max(1, PIECE_BYTES // int(write_mb * 1e6))
+        print(
+            f"| the rows one cleaner call takes (whole writes of {write_mb:.1f} MB), MB | "
+            f"{piece_mb:.1f} |"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
