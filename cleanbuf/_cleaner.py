@@ -206,8 +206,8 @@ class Cleaner:
         first, last = trajectory_ends(td, key)
         restarts = None
         if self.many_producers and self.options.producer_key is None:
-            opts = self.options  # pools of their own: an id may be shared by chance
-            restarts = first_restarts(td, opts.is_init_key, opts.step_count_key)
+            # pools of their own: an id may be shared by chance
+            restarts = first_restarts(td, self.options)
         matching, others = candidates(self._groups, first, restarts)
         refused = None
         for group in matching:

@@ -14,6 +14,9 @@ from tensordict import TensorDictBase
 
 from cleanbuf._carry import Carry
 from cleanbuf._errors import InputError
+from cleanbuf._flags import restart_rows
+from cleanbuf._move import Views
+from cleanbuf._options import Options
 
 
 def trajectory_ends(td: TensorDictBase, key: tuple) -> tuple[np.ndarray, np.ndarray]:
@@ -34,19 +37,20 @@ def trajectory_ends(td: TensorDictBase, key: tuple) -> tuple[np.ndarray, np.ndar
     return ids[:, 0].cpu().numpy(), ids[:, -1].cpu().numpy()
 
 
-def first_restarts(td: TensorDictBase, is_init_key, step_count_key) -> np.ndarray | None:
+def first_restarts(td: TensorDictBase, options: Options) -> np.ndarray | None:
     """Per stream, whether the batch's first row starts an episode after a real reset.
 
-    Read from ``is_init`` where the batch has it, else ``step_count == 0``;
-    None when it has neither. ``td`` is ``[*E, T]``.
+    :func:`cleanbuf._flags.restart_rows` of each stream's first row; None
+    when the batch says nothing of resets. ``td`` is ``[*E, T]``.
     """
-    streams = int(np.prod(td.batch_size[:-1]))
-    for key, starts in ((is_init_key, lambda v: v != 0), (step_count_key, lambda v: v == 0)):
-        value = td.get(key, None) if key is not None else None
+    dim = td.batch_dims - 1  # time
+    first = {}
+    for key in (options.is_init_key, options.step_count_key):
+        value = td.get(key, None) if key is not None else None  # (a lazy stack: get, not keys)
         if value is not None:
-            first = value.reshape(streams, td.batch_size[-1], -1)[:, 0, 0]
-            return np.asarray(starts(first.cpu().numpy()), np.bool_)
-    return None
+            first[key] = value.select(dim, 0)
+    restart = restart_rows(options, Views(first, dim, int(np.prod(td.batch_size[:-1]))))
+    return restart if len(restart) else None
 
 
 def candidates(
