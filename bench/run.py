@@ -39,7 +39,8 @@ from bench.data import (
     gymnasium_recipe,
     make_batch,
 )
-from cleanbuf import AutoresetFilter, _kernels
+from cleanbuf import AutoresetFilter
+from cleanbuf.engine import _kernels
 
 HERE = Path(__file__).parent
 

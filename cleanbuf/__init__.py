@@ -15,8 +15,7 @@ The public API:
 * the errors, all ``ValueError`` subclasses.
 """
 
-from cleanbuf._clean import clean
-from cleanbuf._errors import (
+from cleanbuf.engine._errors import (
     CleanbufError,
     CleanbufWarning,
     ContinuityError,
@@ -25,10 +24,11 @@ from cleanbuf._errors import (
     ResetRowError,
     TerminalObservationLostError,
 )
-from cleanbuf._lossless import lossless_gym_env
-from cleanbuf._rows import step_rows
-from cleanbuf._transform import AutoresetFilter
 from cleanbuf.offline import audit
+from cleanbuf.offline._clean import clean
+from cleanbuf.online._lossless import lossless_gym_env
+from cleanbuf.online._rows import step_rows
+from cleanbuf.online._transform import AutoresetFilter
 
 __all__ = [
     "AutoresetFilter",

@@ -1,4 +1,4 @@
-"""The private names cleanbuf leans on, and their public fallbacks (cleanbuf._compat).
+"""The private names cleanbuf leans on, and their public fallbacks (each side's ``_compat``).
 
 The first test fails when a release of torch, tensordict or torchrl drops
 one of them: the compat function then runs its fallback, which the other
@@ -18,7 +18,10 @@ from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage
 from torchrl.envs import GymEnv, GymWrapper
 
-from cleanbuf import AutoresetFilter, CleanbufError, _compat
+from cleanbuf import AutoresetFilter, CleanbufError
+from cleanbuf.engine import _compat as engine_compat
+from cleanbuf.offline import _compat as offline_compat
+from cleanbuf.online import _compat as online_compat
 from tests.oracle import push_left_policy
 
 
@@ -45,7 +48,7 @@ def test_the_private_names_are_there():
     assert callable(sys._getframe)
     storage = LazyTensorStorage(8)
     storage.set(slice(0, 2), TensorDict({"a": torch.ones(2, 3)}, [2]))
-    assert _compat.storage_tensors(storage).shape == (8,)  # every slot, not the filled
+    assert offline_compat.storage_tensors(storage).shape == (8,)  # every slot, not the filled
 
 
 def test_fallbacks_match_the_private_paths():
@@ -55,17 +58,17 @@ def test_fallbacks_match_the_private_paths():
     cannot prove free.
     """
     td = TensorDict({"a": torch.zeros(2), "b": {"c": torch.ones(2)}}, [2])
-    fast = _compat.new_tensordict(
+    fast = engine_compat.new_tensordict(
         {"a": torch.zeros(2), "b": {"c": torch.ones(2)}}, torch.Size([2]), None
     )
     with mock.patch.object(TensorDict, "_new_unsafe", None):
-        slow = _compat.new_tensordict(
+        slow = engine_compat.new_tensordict(
             {"a": torch.zeros(2), "b": {"c": torch.ones(2)}}, torch.Size([2]), None
         )
     assert (fast == td).all() and (slow == td).all()
-    assert _compat.tensordict_children(object()) is None
+    assert engine_compat.tensordict_children(object()) is None
     with mock.patch.object(torch._C, "_storage_Use_Count", None, create=True):
-        assert _compat.storage_use_count(torch.zeros(3)) is None
+        assert engine_compat.storage_use_count(torch.zeros(3)) is None
     venv = gym.make_vec(
         "CartPole-v1",
         num_envs=2,
@@ -74,8 +77,8 @@ def test_fallbacks_match_the_private_paths():
     )
     wrapper = GymWrapper(venv)
     with mock.patch.object(type(wrapper), "_is_batched", None, create=True):
-        assert _compat.gym_wrapper_vector_env(wrapper) is venv
-    assert _compat.collector_compact_next_keys(object()) == []
+        assert online_compat.gym_wrapper_vector_env(wrapper) is venv
+    assert online_compat.collector_compact_next_keys(object()) == []
 
 
 def test_for_env_without_the_wrapped_env_asks_for_a_mode():

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from cleanbuf._cleaner import Cleaner
-from cleanbuf._options import Options
+from cleanbuf.engine._cleaner import Cleaner
+from cleanbuf.engine._options import Options
 from tests.batches import assert_same_rows
 
 

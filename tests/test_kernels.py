@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cleanbuf._kernels import RELEASED_AS_IS, RELEASED_LOST, Selection, plan_rows
+from cleanbuf.engine._kernels import RELEASED_AS_IS, RELEASED_LOST, Selection, plan_rows
 from tests.reference import reference_clean, simulate
 from tests.test_properties import time_bounds
 

@@ -433,7 +433,7 @@ def test_bad_input_leaves_nothing(tmp_path, monkeypatch):
         audit(str(broken))
     assert os.path.getsize(broken / "storage" / "observation.memmap") == 10
 
-    from cleanbuf import _cleaner
+    from cleanbuf.engine import _cleaner
 
     monkeypatch.setattr(_clean_files, "PIECE_BYTES", 1)  # one write a call: several calls
     calls = []

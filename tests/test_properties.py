@@ -19,7 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cleanbuf import AutoresetFilter, _move, _patch
+from cleanbuf import AutoresetFilter
+from cleanbuf.engine import _move, _patch
 from tests.batches import KEYS, assert_same_rows, grid_td
 from tests.reference import FIELDS, reference_clean, simulate
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from cleanbuf._errors import InputError
+from cleanbuf.engine._errors import InputError
 from cleanbuf.offline._formats import Dataset, from_buffer, read
 from cleanbuf.offline._streams import Rows, Streams, recover, same_per_row
 

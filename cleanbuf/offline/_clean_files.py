@@ -20,12 +20,12 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from cleanbuf._cleaner import STAT_NAMES, Cleaner
-from cleanbuf._errors import InputError
-from cleanbuf._keys import DONE_KEYS, done_flags
-from cleanbuf._move import Views
-from cleanbuf._options import Options
-from cleanbuf._pool import BufferPool
+from cleanbuf.engine._cleaner import STAT_NAMES, Cleaner
+from cleanbuf.engine._errors import InputError
+from cleanbuf.engine._keys import DONE_KEYS, done_flags
+from cleanbuf.engine._move import Views
+from cleanbuf.engine._options import Options
+from cleanbuf.engine._pool import BufferPool
 from cleanbuf.offline._audit import Report, analyse, stream_positions
 from cleanbuf.offline._formats import Collect, Dataset, Writer, read
 from cleanbuf.offline._joint import joint_rows

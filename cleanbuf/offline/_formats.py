@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from cleanbuf._compat import storage_tensors
-from cleanbuf._errors import InputError
+from cleanbuf.engine._errors import InputError
+from cleanbuf.offline._compat import storage_tensors
 
 DUMP, MEMMAP, NPZ, HDF5 = "torchrl-dump", "memmap", "npz", "hdf5"
 HDF5_SUFFIXES = (".h5", ".hdf5")

@@ -11,8 +11,8 @@ import argparse
 import json
 import sys
 
-from cleanbuf._errors import CleanbufError
-from cleanbuf._options import LOST_POLICIES, MODES
+from cleanbuf.engine._errors import CleanbufError
+from cleanbuf.engine._options import LOST_POLICIES, MODES
 
 EXAMPLES = """examples:
   cleanbuf audit runs/rb_dump

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cleanbuf._compat import storage_use_count
+from cleanbuf.engine._compat import storage_use_count
 
 # Below this many bytes an allocation is cheap (no page faults): no pooling.
 MIN_POOLED_BYTES = 1 << 20

@@ -7,10 +7,10 @@ import dataclasses
 import numpy as np
 import torch
 
-from cleanbuf._carry import Carry
-from cleanbuf._kernels import NO_ROWS, RELEASED_LOST
-from cleanbuf._keys import done_flags
-from cleanbuf._move import Views
+from cleanbuf.engine._carry import Carry
+from cleanbuf.engine._kernels import NO_ROWS, RELEASED_LOST
+from cleanbuf.engine._keys import done_flags
+from cleanbuf.engine._move import Views
 
 _NO_FLAGS = np.zeros(0, np.bool_)
 

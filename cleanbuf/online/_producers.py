@@ -6,10 +6,10 @@ import dataclasses
 import math
 from typing import Any
 
-from cleanbuf._compat import collector_compact_next_keys, gym_wrapper_vector_env
-from cleanbuf._errors import CleanbufError
-from cleanbuf._keys import TRAJ_IDS
-from cleanbuf._options import normalize_mode
+from cleanbuf.engine._errors import CleanbufError
+from cleanbuf.engine._keys import TRAJ_IDS
+from cleanbuf.engine._options import normalize_mode
+from cleanbuf.online._compat import collector_compact_next_keys, gym_wrapper_vector_env
 
 
 def _gym_mode(vec_env: Any) -> str:

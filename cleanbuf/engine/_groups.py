@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 from tensordict import TensorDictBase
 
-from cleanbuf._carry import Carry
-from cleanbuf._errors import InputError
-from cleanbuf._flags import restart_rows
-from cleanbuf._move import Views
-from cleanbuf._options import Options
+from cleanbuf.engine._carry import Carry
+from cleanbuf.engine._errors import InputError
+from cleanbuf.engine._flags import restart_rows
+from cleanbuf.engine._move import Views
+from cleanbuf.engine._options import Options
 
 
 def trajectory_ends(td: TensorDictBase, key: tuple) -> tuple[np.ndarray, np.ndarray]:
@@ -40,7 +40,7 @@ def trajectory_ends(td: TensorDictBase, key: tuple) -> tuple[np.ndarray, np.ndar
 def first_restarts(td: TensorDictBase, options: Options) -> np.ndarray | None:
     """Per stream, whether the batch's first row starts an episode after a real reset.
 
-    :func:`cleanbuf._flags.restart_rows` of each stream's first row; None
+    :func:`cleanbuf.engine._flags.restart_rows` of each stream's first row; None
     when the batch says nothing of resets. ``td`` is ``[*E, T]``.
     """
     dim = td.batch_dims - 1  # time

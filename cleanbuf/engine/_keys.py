@@ -6,9 +6,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
-from cleanbuf._compat import tensordict_children
-from cleanbuf._errors import InputError, key_name
-from cleanbuf._move import Views
+from cleanbuf.engine._compat import tensordict_children
+from cleanbuf.engine._errors import InputError, key_name
+from cleanbuf.engine._move import Views
 
 NEXT = "next"
 # TorchRL's trajectory ids: one id per trajectory, from one pool shared by
@@ -22,7 +22,7 @@ NOT_OBSERVATIONS = {"done", "terminated", "truncated", "reward", "is_init", "ste
 def batch_leaves(td: TensorDictBase) -> dict:
     """Returns every tensor leaf of ``td``, as stored: ``[*batch, *feature]``.
 
-    The leaves are not flattened into rows here: :class:`cleanbuf._move.Views`
+    The leaves are not flattened into rows here: :class:`cleanbuf.engine._move.Views`
     does that on first use, and only for the leaves that need it.
 
     Args:

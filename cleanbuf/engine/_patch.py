@@ -12,10 +12,10 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from cleanbuf._compat import new_tensordict
-from cleanbuf._kernels import RELEASED_LOST
-from cleanbuf._move import SMALL_ROW_BYTES, RowIndex, Views, gather, index_tensor
-from cleanbuf._pool import MIN_POOLED_BYTES, BufferPool
+from cleanbuf.engine._compat import new_tensordict
+from cleanbuf.engine._kernels import RELEASED_LOST
+from cleanbuf.engine._move import SMALL_ROW_BYTES, RowIndex, Views, gather, index_tensor
+from cleanbuf.engine._pool import MIN_POOLED_BYTES, BufferPool
 
 # From this many bytes a row, ``set_rows`` copies row by row: no slower
 # than one fancy-index assignment there, and it needs no temporary of all
@@ -97,7 +97,7 @@ def write_next_obs(
         n_rel: how many released held rows come first.
         leaves: the call's leaves as rows (the sources).
         obs_keys: the observation keys.
-        sel: the call's :class:`cleanbuf._kernels.Selection`.
+        sel: the call's :class:`cleanbuf.engine._kernels.Selection`.
         released_src: per released held row, the row of this call that holds
             its next observation, or ``RELEASED_LOST`` / ``RELEASED_AS_IS``.
         final_of: observation key -> final-observation leaf key (same-step).
@@ -205,7 +205,7 @@ def as_td(leaves: dict, n_rows: int, device=None) -> TensorDictBase:
     """Builds a TensorDict ``[n_rows]`` from tuple-keyed leaves.
 
     The leaves were made here with the right batch size and device, so the
-    TensorDict's checks are skipped (:func:`cleanbuf._compat.new_tensordict`).
+    TensorDict's checks are skipped (:func:`cleanbuf.engine._compat.new_tensordict`).
 
     The TensorDict declares the device its leaves share (``device``, or the
     leaves' common device when ``device`` is None), even when the batch

@@ -20,9 +20,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from cleanbuf._continuity import LastRows
-from cleanbuf._errors import InputError
-from cleanbuf._kernels import MARKED, NEED_INIT, PENDING, SHIFT, WAITING
+from cleanbuf.engine._continuity import LastRows
+from cleanbuf.engine._errors import InputError
+from cleanbuf.engine._kernels import MARKED, NEED_INIT, PENDING, SHIFT, WAITING
 
 STATE_VERSION = 2
 # The per-stream values: their row in Carry.per_stream, and their dtype in a state dict.

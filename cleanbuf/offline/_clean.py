@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from cleanbuf._cleaner import Cleaner
-from cleanbuf._errors import InputError
-from cleanbuf._keys import DONE_KEYS
-from cleanbuf._options import Options
+from cleanbuf.engine._cleaner import Cleaner
+from cleanbuf.engine._errors import InputError
+from cleanbuf.engine._keys import DONE_KEYS
+from cleanbuf.engine._options import Options
 
 
 def _flatten(data: Mapping, prefix: tuple = ()) -> dict:
@@ -152,7 +152,7 @@ def clean(
 
 def _stored(data: Any, dst: str | None, options: dict) -> Any:
     """Cleans a path, a replay buffer or a storage; None for anything else."""
-    from cleanbuf.offline import clean_dataset
+    from cleanbuf.offline._clean_files import clean_dataset
     from cleanbuf.offline._formats import from_buffer
 
     if isinstance(data, (str, os.PathLike)):

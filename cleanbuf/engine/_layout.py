@@ -18,8 +18,8 @@ import functools
 import numpy as np
 import torch
 
-from cleanbuf._errors import LayoutError
-from cleanbuf._kernels import NO_ROWS
+from cleanbuf.engine._errors import LayoutError
+from cleanbuf.engine._kernels import NO_ROWS
 
 _OPTIONS = (
     "layout=None for TorchRL collector batches [*E, T] (time last) or a single "

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cleanbuf._errors import CleanbufError
-from cleanbuf._options import normalize_mode
+from cleanbuf.engine._errors import CleanbufError
+from cleanbuf.engine._options import normalize_mode
 
 _REPAIRED_MODES = ("disabled", "same_step")
 

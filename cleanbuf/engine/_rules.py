@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-from cleanbuf._options import Options
+from cleanbuf.engine._options import Options
 
 
 class Rules(NamedTuple):
-    """The kernel's mode flags for one kind of call (see :mod:`cleanbuf._kernels`).
+    """The kernel's mode flags for one kind of call (see :mod:`cleanbuf.engine._kernels`).
 
     Attributes:
         reset_rows: next-step data: a reset row follows each non-joint done row.

@@ -53,7 +53,7 @@ class Views(dict):
         batch_dims: how many leading dimensions make up a row index.
         n_rows: the product of those dimensions (read to shape the numpy
             rows when ``batch_dims`` is not 1, and by
-            :func:`cleanbuf._keys.done_flags`; 0 where neither happens).
+            :func:`cleanbuf.engine._keys.done_flags`; 0 where neither happens).
 
     Examples:
         >>> views = Views({"a": torch.arange(6.0).reshape(2, 3)}, batch_dims=2, n_rows=6)

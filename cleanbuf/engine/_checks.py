@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from cleanbuf._carry import Carry
-from cleanbuf._errors import (
+from cleanbuf.engine._carry import Carry
+from cleanbuf.engine._errors import (
     InputError,
     LayoutError,
     ResetRowError,
     TerminalObservationLostError,
     key_name,
 )
-from cleanbuf._layout import CallLayout
-from cleanbuf._options import Options
+from cleanbuf.engine._layout import CallLayout
+from cleanbuf.engine._options import Options
 
 
 def same_streams(carry: Carry, layout: CallLayout) -> None:

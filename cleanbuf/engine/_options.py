@@ -7,7 +7,7 @@ from typing import Any
 
 from tensordict import NestedKey, unravel_key
 
-from cleanbuf._errors import CleanbufError
+from cleanbuf.engine._errors import CleanbufError
 
 MODES = ("next_step", "same_step", "disabled")
 LAYOUTS = ("time_last", "step", "stream_key")
@@ -60,7 +60,7 @@ def _key(key: NestedKey | None) -> tuple | None:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Everything a :class:`cleanbuf._cleaner.Cleaner` is configured with.
+    """Everything a :class:`cleanbuf.engine._cleaner.Cleaner` is configured with.
 
     See :class:`cleanbuf.AutoresetFilter` for the meaning of each field.
     """

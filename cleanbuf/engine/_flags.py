@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cleanbuf._checks import reset_groups, set_truncated_needs_restarts
-from cleanbuf._keys import row_flags
-from cleanbuf._layout import CallLayout
-from cleanbuf._move import Views
-from cleanbuf._options import Options
+from cleanbuf.engine._checks import reset_groups, set_truncated_needs_restarts
+from cleanbuf.engine._keys import row_flags
+from cleanbuf.engine._layout import CallLayout
+from cleanbuf.engine._move import Views
+from cleanbuf.engine._options import Options
 
 NONE = np.zeros(0, np.bool_)
 NONE.flags.writeable = False

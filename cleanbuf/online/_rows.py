@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from cleanbuf._errors import InputError
+from cleanbuf.engine._errors import InputError
 
 
 def _tree(value: Any, n: int, what: str):

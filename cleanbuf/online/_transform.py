@@ -10,13 +10,19 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs.transforms import Transform
 
-from cleanbuf._cleaner import STAT_NAMES, Cleaner
-from cleanbuf._compat import calling_replay_buffer
-from cleanbuf._copies import CopyStates, new_copy_name
-from cleanbuf._errors import CleanbufWarning, LayoutError
-from cleanbuf._keys import TRAJ_IDS
-from cleanbuf._options import Options
-from cleanbuf._ray import RayStates, flush_buffer_actor, in_ray_actor, is_ray_buffer, ray_running
+from cleanbuf.engine._cleaner import STAT_NAMES, Cleaner
+from cleanbuf.engine._errors import CleanbufWarning, LayoutError
+from cleanbuf.engine._keys import TRAJ_IDS
+from cleanbuf.engine._options import Options
+from cleanbuf.online._compat import calling_replay_buffer
+from cleanbuf.online._copies import CopyStates, new_copy_name
+from cleanbuf.online._ray import (
+    RayStates,
+    flush_buffer_actor,
+    in_ray_actor,
+    is_ray_buffer,
+    ray_running,
+)
 
 
 def _is_storage_init(td: TensorDictBase) -> bool:
@@ -243,7 +249,7 @@ class AutoresetFilter(Transform):
                 envs that reach it together are reset together), unless
                 ``on_lost_terminal_obs`` is given.
         """
-        from cleanbuf._producers import options_for_env
+        from cleanbuf.online._producers import options_for_env
 
         reading = options_for_env(env)
         options = {**reading.options, **overrides}

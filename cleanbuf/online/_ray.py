@@ -99,7 +99,7 @@ def flush_buffer_actor(rb: Any) -> bool:
 
 
 def _flush_here(actor_rb: Any) -> bool:
-    from cleanbuf._transform import AutoresetFilter
+    from cleanbuf.online._transform import AutoresetFilter
 
     for t in getattr(actor_rb, "_transform", None) or ():
         if isinstance(t, AutoresetFilter):

@@ -22,8 +22,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from cleanbuf._errors import ContinuityError, key_name
-from cleanbuf._move import Views, index_tensor
+from cleanbuf.engine._errors import ContinuityError, key_name
+from cleanbuf.engine._move import Views, index_tensor
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,9 +29,9 @@ import dataclasses
 
 import numpy as np
 
-from cleanbuf._continuity import CallEnds, same_bytes, same_rows, take_rows
-from cleanbuf._keys import TRAJ_IDS
-from cleanbuf._move import Views
+from cleanbuf.engine._continuity import CallEnds, same_bytes, same_rows, take_rows
+from cleanbuf.engine._keys import TRAJ_IDS
+from cleanbuf.engine._move import Views
 
 
 class SameBatchAgain(Exception):

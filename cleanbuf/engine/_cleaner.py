@@ -4,10 +4,10 @@ A call reads like this (:meth:`Cleaner._clean`):
 
 1. **read** the batch: its layout (which rows belong to which stream), its
    done flags and observation keys, the rows that restart a stream, and
-   check them all (:mod:`cleanbuf._checks`, :mod:`cleanbuf._continuity`);
+   check them all (:mod:`cleanbuf.engine._checks`, :mod:`cleanbuf.engine._continuity`);
    a batch with nothing to clean passes through as views;
 2. **plan** it with the numba kernel, from flags only
-   (:mod:`cleanbuf._kernels`): which rows to drop, hold or emit, and where
+   (:mod:`cleanbuf.engine._kernels`): which rows to drop, hold or emit, and where
    each next observation comes from;
 3. **release** the rows held by earlier calls that this call completes;
 4. **move** the kept rows into fresh tensors;
@@ -17,8 +17,8 @@ A call reads like this (:meth:`Cleaner._clean`):
 
 Everything that raises does so before the commit, so a failed call changes
 nothing. Around a call, :meth:`Cleaner.__call__` picks the producer's carry
-(``producer_key``, :mod:`cleanbuf._groups`) and goes back to before the last
-call when that call's batch comes again (:mod:`cleanbuf._retry`).
+(``producer_key``, :mod:`cleanbuf.engine._groups`) and goes back to before the last
+call when that call's batch comes again (:mod:`cleanbuf.engine._retry`).
 """
 
 from __future__ import annotations
@@ -30,13 +30,21 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from cleanbuf import _checks, _flags
-from cleanbuf._carry import Carry
-from cleanbuf._continuity import CallEnds, LastRows
-from cleanbuf._errors import CleanbufError, ContinuityError, InputError, key_name
-from cleanbuf._groups import candidates, first_restarts, trajectory_ends
-from cleanbuf._kernels import MARKED, NEED_INIT, PENDING, SHIFT, WAITING, Selection, plan_rows
-from cleanbuf._keys import (
+from cleanbuf.engine import _checks, _flags
+from cleanbuf.engine._carry import Carry
+from cleanbuf.engine._continuity import CallEnds, LastRows
+from cleanbuf.engine._errors import CleanbufError, ContinuityError, InputError, key_name
+from cleanbuf.engine._groups import candidates, first_restarts, trajectory_ends
+from cleanbuf.engine._kernels import (
+    MARKED,
+    NEED_INIT,
+    PENDING,
+    SHIFT,
+    WAITING,
+    Selection,
+    plan_rows,
+)
+from cleanbuf.engine._keys import (
     TRAJ_IDS,
     batch_leaves,
     check_same_layout,
@@ -44,14 +52,14 @@ from cleanbuf._keys import (
     final_entries,
     observation_keys,
 )
-from cleanbuf._layout import CallLayout, resolve
-from cleanbuf._move import Views
-from cleanbuf._options import Options
-from cleanbuf._patch import as_td, fill_rows, fix_bookkeeping, move, write_next_obs
-from cleanbuf._pool import BufferPool
-from cleanbuf._release import Release, kept_held
-from cleanbuf._retry import Fingerprint, SameBatchAgain, Undo
-from cleanbuf._rules import Rules, terminal_obs_in_done_row
+from cleanbuf.engine._layout import CallLayout, resolve
+from cleanbuf.engine._move import Views
+from cleanbuf.engine._options import Options
+from cleanbuf.engine._patch import as_td, fill_rows, fix_bookkeeping, move, write_next_obs
+from cleanbuf.engine._pool import BufferPool
+from cleanbuf.engine._release import Release, kept_held
+from cleanbuf.engine._retry import Fingerprint, SameBatchAgain, Undo
+from cleanbuf.engine._rules import Rules, terminal_obs_in_done_row
 
 STAT_NAMES = (
     "rows_in",
@@ -114,7 +122,7 @@ class Cleaner:
     Examples:
         >>> import torch
         >>> from tensordict import TensorDict
-        >>> from cleanbuf._options import Options
+        >>> from cleanbuf.engine._options import Options
         >>> obs = torch.tensor([[0.0], [1.0], [2.0], [10.0], [11.0]])
         >>> data = TensorDict({
         ...     "observation": obs,
@@ -159,7 +167,7 @@ class Cleaner:
         """Cleans one call's batch; returns the rows to store, flat ``[M]``.
 
         A batch that comes again right after its call (its write into the
-        buffer failed, :mod:`cleanbuf._retry`) is cleaned as if that call
+        buffer failed, :mod:`cleanbuf.engine._retry`) is cleaned as if that call
         had not happened: the rows it released come again.
         """
         undo = Undo.of(self)
@@ -193,7 +201,7 @@ class Cleaner:
         """:meth:`_clean` against the carry of the batch's producer.
 
         With several producers, the batch goes to the first producer it
-        continues (:func:`cleanbuf._groups.candidates`); ``_clean`` changes
+        continues (:func:`cleanbuf.engine._groups.candidates`); ``_clean`` changes
         nothing when it refuses one. When the producers draw trajectory ids
         from one pool (``producer_key``), a batch sharing ids with producers
         it does not continue is refused (a skipped or repeated batch); when
@@ -302,8 +310,8 @@ class Cleaner:
         """Checks the call's continuity and fingerprint; returns its last rows.
 
         The call must continue the streams of the calls before it
-        (:mod:`cleanbuf._continuity`); a call that brings the last call's
-        batch again raises :class:`SameBatchAgain` (:mod:`cleanbuf._retry`).
+        (:mod:`cleanbuf.engine._continuity`); a call that brings the last call's
+        batch again raises :class:`SameBatchAgain` (:mod:`cleanbuf.engine._retry`).
         Time-aligned full transitions only: other calls keep what they had.
         """
         layout = call.layout

@@ -1,0 +1,64 @@
+"""The places where this side of cleanbuf leans on what torchrl (or CPython) do not promise.
+
+Each function here uses a private name or an implementation detail, falls
+back to public behaviour when that is gone, and has a test in
+``tests/test_compat.py`` that fails when the private name disappears, so a
+new release shows up there first.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def calling_replay_buffer(max_frames: int = 12) -> Any | None:
+    """The TorchRL ``ReplayBuffer`` whose ``extend`` / ``add`` is running the caller.
+
+    A TorchRL transform is not told which buffer it serves; the filter
+    needs it once, to check that the buffer's storage takes flat rows. It
+    looks up the call stack for a frame whose ``self`` is a replay buffer
+    (``sys._getframe``, CPython's and PyPy's). None when there is none (the
+    transform called directly) or frames cannot be read.
+
+    Examples:
+        >>> calling_replay_buffer() is None
+        True
+    """
+    from torchrl.data import ReplayBuffer
+
+    getframe = getattr(sys, "_getframe", None)
+    if getframe is None:
+        return None
+    frame = getframe(1)
+    for _ in range(max_frames):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, ReplayBuffer):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def gym_wrapper_vector_env(wrapper: Any) -> Any | None:
+    """The Gymnasium env a TorchRL ``GymWrapper`` wraps, if it is a batched one.
+
+    TorchRL keeps it in ``wrapper._env`` (and whether it is batched in
+    ``_is_batched``) and offers no public accessor. None for a single env;
+    raises ``AttributeError`` where the private names are gone (``for_env``
+    then asks for an explicit mode).
+    """
+    batched = getattr(wrapper, "_is_batched", None)
+    if batched is None:
+        batched = bool(wrapper.batch_size)
+    return wrapper._env if batched else None
+
+
+def collector_compact_next_keys(collector: Any) -> list:
+    """The ``("next", ...)`` keys a ``Collector(compact_obs=True)`` leaves out.
+
+    ``collector._compact_next_keys``; an empty list where it is gone (the
+    user then declares ``observation_keys``).
+    """
+    return list(getattr(collector, "_compact_next_keys", ()))
