@@ -32,8 +32,8 @@ def push_left_policy(td):
     return td
 
 
-def make_env(env_name, num_envs, max_episode_steps=None, disabled=False):
-    """A TorchRL env with StepCounter and InitTracker.
+def make_env(env_name, num_envs, max_episode_steps=None, disabled=False, trackers=True):
+    """A TorchRL env with StepCounter and InitTracker (``trackers=False``: without).
 
     ``disabled=False``: ``GymEnv(name, num_envs=N)`` (next-step, joint reset).
     ``disabled=True``: ``GymWrapper`` over a Gymnasium sync vector env in
@@ -48,7 +48,7 @@ def make_env(env_name, num_envs, max_episode_steps=None, disabled=False):
         base = GymWrapper(venv)
     else:
         base = GymEnv(env_name, num_envs=num_envs, **kwargs)
-    env = TransformedEnv(base, Compose(StepCounter(), InitTracker()))
+    env = TransformedEnv(base, Compose(StepCounter(), InitTracker())) if trackers else base
     env.set_seed(0)
     return env
 

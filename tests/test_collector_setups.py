@@ -28,18 +28,24 @@ from tests.oracle import (
 E, T, BATCHES = 2, 16, 12
 
 
-def _run(collector_kwargs, reset_every=None, via_rb=False):
-    env = make_env("CartPole-v1", E)
+def _run(collector_kwargs, reset_every=None, via_rb=False, build="for_env(collector)", **env):
+    env_name = env.pop("env_name", "CartPole-v1")
+    source = make_env(env_name, E, **env)
     rb = ReplayBuffer(storage=LazyTensorStorage(100_000))
     collector = Collector(
-        env,
+        source,
         push_left_policy,
         frames_per_batch=E * T,
         total_frames=E * T * BATCHES,
         replay_buffer=rb if via_rb else None,
         **collector_kwargs,
     )
-    filt = AutoresetFilter.for_env(collector)
+    if build == "for_env(collector)":
+        filt = AutoresetFilter.for_env(collector)
+    elif build == "for_env(env)":
+        filt = AutoresetFilter.for_env(source)
+    else:  # by hand, as a user who knows GymEnv's joint reset writes it
+        filt = AutoresetFilter("next_step", joint_reset=True)
     rb.append_transform(filt)
     for i, batch in enumerate(collector):
         if not via_rb:
@@ -48,20 +54,12 @@ def _run(collector_kwargs, reset_every=None, via_rb=False):
             collector.reset()
     collector.shutdown()
     filt.flush(rb)
-    env.close()
+    source.close()
     return filt, rb
 
 
-@pytest.mark.parametrize("via_rb", [False, True], ids=["rb.extend", "Collector(replay_buffer=rb)"])
-def test_set_truncated_marks_match_explicit_resets(via_rb):
-    """Collector(set_truncated=True) marks the last step of every batch done
-    and truncated. Bugs caught: marks read as episode ends (the next batch's
-    first row dropped as a reset row, or ResetRowError), as joint resets
-    (real next observations replaced by NaN), or a real episode end at a
-    batch end taken for a mark (a reset row kept).
-    """
-    oracle_env = make_env("CartPole-v1", E, disabled=True)
-    oracle_batches = []
+def _oracle(env_name="CartPole-v1", **env):
+    oracle_env = make_env(env_name, E, disabled=True, **env)
     collector = Collector(
         oracle_env,
         push_left_policy,
@@ -69,10 +67,29 @@ def test_set_truncated_marks_match_explicit_resets(via_rb):
         total_frames=E * T * BATCHES,
         set_truncated=True,
     )
-    oracle_batches = [b.clone() for b in collector]
+    batches = [b.clone() for b in collector]
     collector.shutdown()
-    filt, rb = _run({"set_truncated": True}, via_rb=via_rb)
-    assert filt.options.set_truncated
+    return streams_from_batches(batches)
+
+
+BUILDS = ["for_env(collector)", "for_env(env)", "by hand"]
+
+
+@pytest.mark.parametrize("trackers", [True, False], ids=["InitTracker", "no trackers"])
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("via_rb", [False, True], ids=["rb.extend", "Collector(replay_buffer=rb)"])
+def test_set_truncated_marks_match_explicit_resets(via_rb, build, trackers):
+    """Collector(set_truncated=True) marks the last step of every batch done
+    and truncated; no option tells the filter. Bugs caught: marks read as
+    episode ends (the next batch's first row dropped as a reset row, or
+    ResetRowError), as joint resets (real next observations replaced by NaN:
+    22 of them in 8 batches of [4, 40] before marks were read from the
+    rows), or a real episode end at a batch end taken for a mark (a reset row
+    kept); without InitTracker, a mark decided by guess instead of by the
+    next row's observation.
+    """
+    oracle = _oracle(trackers=trackers)
+    filt, rb = _run({"set_truncated": True}, via_rb=via_rb, build=build, trackers=trackers)
     stats = filt.stats
     assert stats["reset_rows_dropped"] > 0
     rows = rb[: len(rb)]
@@ -89,11 +106,46 @@ def test_set_truncated_marks_match_explicit_resets(via_rb):
         assert s[-1]["next", "done"].all() and s[-1]["next", "observation"].isnan().all()
     n_lost = compare_streams(
         {e: s[:-1].exclude(*marks) for e, s in cleaned.items()},
-        {e: s.exclude(*marks) for e, s in streams_from_batches(oracle_batches).items()},
+        {e: s.exclude(*marks) for e, s in oracle.items()},
         min_rows=T * BATCHES * 3 // 4,
     )
-    assert n_lost == stats["terminal_obs_missing"]
-    check_invariants(rows, stats, len(rb))
+    assert n_lost == stats["terminal_obs_missing"]  # real joint terminations only
+    if trackers:  # (the invariants read is_init; the oracle above checked the rest)
+        check_invariants(rows, stats, len(rb))
+
+
+@pytest.mark.parametrize("trackers", [True, False], ids=["InitTracker", "no trackers"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_real_joint_end_on_a_batch_end_with_marks(build, trackers):
+    """Pendulum with a T-step time limit and T-step batches: every real
+    episode end is a joint reset (all envs truncate together) on a batch's
+    last step, where Collector(set_truncated=True) also marks. Bugs caught:
+    the real joint end taken for a mark (the zero-filled next observation
+    stored as a real one, the new episode's first row treated as the
+    continuation: no is_init, step counts running on), the new episode's
+    first row dropped as a reset row (ResetRowError on a nonzero reward,
+    or a real transition lost), a lost terminal observation not counted.
+    """
+    env = {"env_name": "Pendulum-v1", "max_episode_steps": T, "trackers": trackers}
+    oracle = _oracle(**env)
+    filt, rb = _run({"set_truncated": True}, build=build, **env)
+    stats = filt.stats
+    rows = rb[: len(rb)]
+    cleaned = streams_from_rows(rows)
+    assert stats["reset_rows_dropped"] == 0 and stats["rows_held"] == 0
+    # Every episode's last row lost its terminal observation (joint reset),
+    # the last batch's too (undecided at the flush): NaN, counted.
+    assert stats["terminal_obs_missing"] + stats["next_obs_missing"] == E * BATCHES
+    for s in cleaned.values():
+        lost = s["next", "observation"].isnan().any(-1)
+        assert lost.sum() == BATCHES and lost[T - 1 :: T].all()
+    n_lost = compare_streams(
+        {e: s[:-1] for e, s in cleaned.items()},
+        {e: s[:-1] for e, s in oracle.items()},
+        min_rows=T * BATCHES - 1,
+    )
+    assert n_lost == E * (BATCHES - 1)
+    assert stats["rows_in"] == stats["rows_out"] == len(rb) == E * T * BATCHES
 
 
 @pytest.mark.parametrize("how", ["reset_at_each_iter", "collector.reset()"])

@@ -390,27 +390,22 @@ def test_step_rows_bad_input():
         step_rows(obs, np.zeros(3), obs, np.zeros(3), np.zeros(3, bool), None, {})
 
 
-def test_set_truncated_without_restart_flags():
-    """set_truncated=True on rows without is_init or step_count. Bug caught: a
-    batch-end mark that nothing can decide, read as a mark or an end by
-    guess.
+def test_set_truncated_is_no_longer_needed():
+    """set_truncated was an option until batch-end marks were read from the
+    rows. Bugs caught: code that still passes it broken (an unknown-option
+    error), or passing it silently changing what is stored (it must be
+    ignored, with a DeprecationWarning that says so).
     """
-    filt = AutoresetFilter("next_step", set_truncated=True)
-    rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=filt)
-    bad = next_step_batch(2, 12, 5).exclude("is_init", "step_count", ("next", "step_count"))
-    bad["next", "done"][:, -1] = True
-    bad.set(("next", "truncated"), bad["next", "done"].clone())
-    assert_rejected(filt, rb, bad, InputError, "set_truncated=True", "InitTracker")
+    with pytest.warns(DeprecationWarning, match="set_truncated is no longer an option"):
+        filt = AutoresetFilter("next_step", set_truncated=True)
+    assert not hasattr(filt.options, "set_truncated")
+    assert filt.options == AutoresetFilter("next_step").options
 
 
 def test_options_of_the_multi_process_work():
-    """Bugs caught: set_truncated accepted for same-step data (TorchRL repairs
-    it, its marks pass through), producer_key accepted with a layout whose
-    rows are not [E, T] batches, a batch without the producer key routed by
-    guess.
+    """Bugs caught: producer_key accepted with a layout whose rows are not
+    [E, T] batches, a batch without the producer key routed by guess.
     """
-    with pytest.raises(CleanbufError, match="set_truncated"):
-        AutoresetFilter("same_step", set_truncated=True)
     with pytest.raises(CleanbufError, match="producer_key"):
         AutoresetFilter("next_step", layout="step", producer_key=("collector", "traj_ids"))
     filt = AutoresetFilter("next_step", producer_key=("collector", "traj_ids"))

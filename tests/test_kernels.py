@@ -36,17 +36,14 @@ def _kernel_rows(raw, bounds, joint_group):
         steps = b - a
         obs, nxt = field["obs"][:, a:b].reshape(-1), field["next_obs"][:, a:b].reshape(-1)
         done = field["done"][:, a:b].reshape(-1).astype(bool)
-        joint = NONE
-        if joint_group:
-            d = done.reshape(n // joint_group, joint_group, steps)
-            joint = (d & d.all(1, keepdims=True)).reshape(-1)
         reward = field["reward"][:, a:b].reshape(-1)
         restart = field["is_init"][:, a:b].reshape(-1).astype(bool)
         sel, released, carry, *_, bad = plan_rows(
-            n=n * steps, steps=steps, stream=np.zeros(0, np.int64), done=done, joint=joint,
-            final_ok=NONE, final_default=False, reward=reward, restart=restart, mark=NONE,
-            carry=carry, reset_rows=True, successor=False, final=False, stitch=True,
-            hold_done=True, drop_lost=False,
+            n=n * steps, steps=steps, stream=np.zeros(0, np.int64), done=done, joint=NONE,
+            group=joint_group or 0, final_ok=NONE, final_default=False, reward=reward,
+            restart=restart, terminated=NONE, truncated=NONE, marks=False,
+            cont=np.zeros(0, np.uint8), carry=carry, reset_rows=True, successor=False,
+            final=False, stitch=True, hold_done=True, drop_lost=False,
         )  # fmt: skip
         assert bad < 0
         sel = Selection(*sel)

@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from cleanbuf.engine._continuity import LastRows
+from cleanbuf.engine._continuity import LastRows, as_bytes
 from cleanbuf.engine._errors import InputError
 from cleanbuf.engine._kernels import MARKED, NEED_INIT, PENDING, SHIFT, WAITING
 
@@ -154,7 +154,7 @@ class Carry:
             held={tuple(k): v.clone() for k, v in state["held"].items()},
             held_stream=state["held_stream"].numpy().copy(),
             last=LastRows(
-                {tuple(k): v.clone() for k, v in state.get("last_next", {}).items()},
+                {tuple(k): as_bytes(v).copy() for k, v in state.get("last_next", {}).items()},
                 state["last_open"].numpy().copy()
                 if "last_open" in state
                 else np.zeros(0, np.bool_),

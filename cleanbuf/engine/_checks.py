@@ -6,8 +6,6 @@ before the cleaner commits anything.
 
 from __future__ import annotations
 
-import numpy as np
-
 from cleanbuf.engine._carry import Carry
 from cleanbuf.engine._errors import (
     InputError,
@@ -153,15 +151,4 @@ def reset_groups(group: int, n_streams: int, stream_shape: tuple) -> None:
             f"reset_group_size={group} does not divide the {n_streams} streams of "
             f"shape {list(stream_shape)}; it must be the number of envs that "
             "reset together (the envs of one TorchRL GymEnv / worker)."
-        )
-
-
-def set_truncated_needs_restarts(restart: np.ndarray) -> None:
-    """Raises unless the rows can tell a real episode end from a batch-end mark."""
-    if not len(restart):
-        raise InputError(
-            "set_truncated=True needs is_init (InitTracker) or step_count (StepCounter) "
-            "in the rows: the row after a batch-end mark tells a real episode end (a "
-            "reset) from a mark only through them. Add InitTracker() to the env, or "
-            "build the collector without set_truncated."
         )

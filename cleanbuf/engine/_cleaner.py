@@ -2,10 +2,10 @@
 
 A call reads like this (:meth:`Cleaner._clean`):
 
-1. **read** the batch: its layout (which rows belong to which stream), its
-   done flags and observation keys, the rows that restart a stream, and
-   check them all (:mod:`cleanbuf.engine._checks`, :mod:`cleanbuf.engine._continuity`);
-   a batch with nothing to clean passes through as views;
+1. **read** the batch (:mod:`cleanbuf.engine._read`): its layout (which rows
+   belong to which stream), its done flags and observation keys, the rows
+   that restart a stream, its stream ends (one kernel pass), and check them
+   all; a batch with nothing to clean passes through as views;
 2. **plan** it with the numba kernel, from flags only
    (:mod:`cleanbuf.engine._kernels`): which rows to drop, hold or emit, and where
    each next observation comes from;
@@ -23,43 +23,25 @@ call when that call's batch comes again (:mod:`cleanbuf.engine._retry`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from cleanbuf.engine import _checks, _flags
+from cleanbuf.engine import _checks
 from cleanbuf.engine._carry import Carry
-from cleanbuf.engine._continuity import CallEnds, LastRows
-from cleanbuf.engine._errors import CleanbufError, ContinuityError, InputError, key_name
-from cleanbuf.engine._groups import candidates, first_restarts, trajectory_ends
-from cleanbuf.engine._kernels import (
-    MARKED,
-    NEED_INIT,
-    PENDING,
-    SHIFT,
-    WAITING,
-    Selection,
-    plan_rows,
-)
-from cleanbuf.engine._keys import (
-    TRAJ_IDS,
-    batch_leaves,
-    check_same_layout,
-    done_flags,
-    final_entries,
-    observation_keys,
-)
-from cleanbuf.engine._layout import CallLayout, resolve
+from cleanbuf.engine._errors import CleanbufError
+from cleanbuf.engine._flush import flush_carry
+from cleanbuf.engine._groups import clean_routed, producer_key
+from cleanbuf.engine._kernels import NEED_INIT, PENDING, Selection, plan_rows
 from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
-from cleanbuf.engine._patch import as_td, fill_rows, fix_bookkeeping, move, write_next_obs
+from cleanbuf.engine._patch import as_td, fix_bookkeeping, move, write_next_obs
 from cleanbuf.engine._pool import BufferPool
+from cleanbuf.engine._read import Call, Reader
 from cleanbuf.engine._release import Release, kept_held
-from cleanbuf.engine._retry import Fingerprint, SameBatchAgain, Undo
-from cleanbuf.engine._rules import Rules, terminal_obs_in_done_row
+from cleanbuf.engine._retry import Undo, call_with_retry
 
 STAT_NAMES = (
     "rows_in",
@@ -72,28 +54,6 @@ STAT_NAMES = (
     "rows_held",
     "episodes_completed",
 )
-# What a call without a final-observation entry has of one (see final_entries).
-_NO_FINAL = ({}, None, frozenset())
-
-
-@dataclasses.dataclass
-class _Call:
-    """What :meth:`Cleaner._read` found in a batch, checked."""
-
-    device: torch.device | None
-    layout: CallLayout
-    views: Views  # every leaf, read as rows
-    done: np.ndarray
-    moved: dict  # the leaves to store (without a same-step final entry)
-    carry: Carry | None = None  # None in disabled mode
-    obs_keys: list = dataclasses.field(default_factory=list)
-    obs_only: bool = False
-    final_of: dict = dataclasses.field(default_factory=dict)
-    final_present: np.ndarray | None = None
-    restart: np.ndarray = dataclasses.field(default_factory=lambda: _flags.NONE)
-    last: LastRows | None = None
-    rules: Rules | None = None
-    as_is: bool = True  # nothing to clean: the rows pass through as views
 
 
 class _Plan(NamedTuple):
@@ -147,11 +107,9 @@ class Cleaner:
         # producer. Set by the filter inside a Ray actor.
         self.many_producers = False
         self._undo: Undo | None = None  # before the last call (see __call__)
-        self._fingerprint: Fingerprint | None = None  # of the call in progress
         self._stats = dict.fromkeys(STAT_NAMES, 0)
         self._pool = BufferPool() if pool is None else pool  # where large outputs go
-        self._layouts: dict = {}  # (batch size, names) -> CallLayout, for the fixed layouts
-        self._obs_keys: dict = {}  # leaf keys -> discovered observation keys
+        self._reader = Reader(options)
 
     @property
     def stats(self) -> dict:
@@ -167,95 +125,22 @@ class Cleaner:
         """Cleans one call's batch; returns the rows to store, flat ``[M]``.
 
         A batch that comes again right after its call (its write into the
-        buffer failed, :mod:`cleanbuf.engine._retry`) is cleaned as if that call
-        had not happened: the rows it released come again.
+        buffer failed, :mod:`cleanbuf.engine._retry`) is cleaned as if that
+        call had not happened: the rows it released come again.
         """
-        undo = Undo.of(self)
-        try:
-            out = self._call_once(td)
-        except (SameBatchAgain, CleanbufError) as err:
-            # The last call's batch again (recognised by its trajectory ids, or
-            # by its observations once it fails to follow the streams).
-            again = self._undo is not None and (
-                isinstance(err, SameBatchAgain) or self._undo.same_batch(self._fingerprint)
-            )
-            if not again:
-                raise
-            last, self._undo = self._undo, None
-            last.restore(self)
-            retry = Undo.of(self)
-            try:
-                out = self._call_once(td)
-            except CleanbufError:
-                undo.restore(self)  # as before this call, which changes nothing
-                self._undo = last
-                if isinstance(err, SameBatchAgain):
-                    raise
-                raise err from None
-            undo = retry
-        undo.fingerprint = self._fingerprint
-        self._undo = undo
-        return out
+        return call_with_retry(self, td, self._call_once)
+
+    @property
+    def _fingerprint(self):
+        """The fingerprint of the call read last (:mod:`cleanbuf.engine._retry`)."""
+        return self._reader.fingerprint
 
     def _call_once(self, td: TensorDictBase) -> TensorDictBase:
-        """:meth:`_clean` against the carry of the batch's producer.
-
-        With several producers, the batch goes to the first producer it
-        continues (:func:`cleanbuf.engine._groups.candidates`); ``_clean`` changes
-        nothing when it refuses one. When the producers draw trajectory ids
-        from one pool (``producer_key``), a batch sharing ids with producers
-        it does not continue is refused (a skipped or repeated batch); when
-        they may share ids (:attr:`many_producers`), it starts a new one.
-        """
-        self._fingerprint = None
-        key = self._producer_key(td)
+        """:meth:`_clean` against the carry of the batch's producer (``_groups``)."""
+        key = producer_key(self.options, self.many_producers, td)
         if key is None:
             return self._clean(td)
-        first, last = trajectory_ends(td, key)
-        restarts = None
-        if self.many_producers and self.options.producer_key is None:
-            # pools of their own: an id may be shared by chance
-            restarts = first_restarts(td, self.options)
-        matching, others = candidates(self._groups, first, restarts)
-        refused = None
-        for group in matching:
-            try:
-                out = self._clean_as(group, td)
-                break
-            except ContinuityError as err:
-                refused = refused or err
-        else:
-            if refused is not None and not self.many_producers:
-                raise refused
-            for group in others:  # the last, a new producer, refuses nothing
-                try:
-                    out = self._clean_as(group, td)
-                    break
-                except ContinuityError:
-                    continue  # an id it shares by chance: its open streams say no
-        self._carry.traj_ids = last
-        if group == len(self._groups):
-            self._groups.append(self._carry)
-        self._groups[group] = self._carry
-        self._stats["rows_held"] = sum(len(c.held_stream) for c in self._groups)
-        return out
-
-    def _clean_as(self, group: int, td: TensorDictBase) -> TensorDictBase:
-        """:meth:`_clean` against producer ``group``'s carry (a new one past the last)."""
-        self._carry = self._groups[group] if group < len(self._groups) else Carry()
-        return self._clean(td)  # commits into self._carry, or raises having changed nothing
-
-    def _producer_key(self, td: TensorDictBase) -> tuple | None:
-        """The key that tells the batch's producer, or None for one producer."""
-        key = self.options.producer_key
-        if key is not None or not self.many_producers:
-            return key
-        if self.options.layout in (None, "time_last") and td.batch_dims >= 2:
-            # get, not keys(): a LazyStackedTensorDict (a batch Ray carried)
-            # does not list its nested keys as containing them.
-            if td.get(TRAJ_IDS, None) is not None:
-                return TRAJ_IDS
-        return None
+        return clean_routed(self, td, key, self._clean)
 
     def _clean(self, td: TensorDictBase) -> TensorDictBase:
         """Cleans one batch against ``self._carry``; commits only on success."""
@@ -269,82 +154,12 @@ class Cleaner:
         return as_td(out.tensors, len(plan.release) + len(plan.sel.emit), call.device)
 
     # ------------------------------------------------------ 1. read and check
-    def _read(self, td: TensorDictBase) -> _Call:
-        """Reads and checks a batch; decides whether it has anything to clean."""
-        opts = self.options
-        if not isinstance(td, TensorDictBase):
-            raise InputError(
-                f"expected a TensorDict, got {type(td).__name__}; use cleanbuf.clean() "
-                "for dicts of arrays."
-            )
-        layout = self._layout(td)
-        leaves = batch_leaves(td)  # as stored; read as rows through views
-        views = Views(leaves, td.batch_dims, layout.n_rows)
-        done = done_flags(views, opts.done_key)
-        call = _Call(td.device, layout, views, done, moved=leaves)
-        if opts.mode == "disabled":
-            return call
-        call.obs_keys, call.obs_only = self._observation_keys(leaves)
-        if opts.mode == "same_step":
-            call.final_of, call.final_present, entry_keys = final_entries(
-                leaves, opts.final_obs_key, call.obs_keys, layout.n_rows, td.batch_dims
-            )
-            if entry_keys and not opts.keep_final_obs:
-                call.moved = {k: v for k, v in leaves.items() if k not in entry_keys}
-        if len(self._carry.held_stream):
-            _checks.same_schema_as_held(self._carry.held, call.moved, td.batch_dims)
-        n_streams = layout.n_streams
-        grow = n_streams > self._carry.n_streams
-        call.carry = self._carry.grown(n_streams) if grow else self._carry
-        call.restart = _flags.restart_rows(opts, views)
-        call.last = self._continuity(call)
-        call.rules = Rules.of(opts, call.obs_only, layout.kind)
-        call.as_is = (
-            not call.rules.successor
-            and not np.count_nonzero(done)
-            and self._nothing_pending(call.carry, leaves)
-        )
-        return call
+    def _read(self, td: TensorDictBase) -> Call:
+        """Reads and checks a batch (:class:`cleanbuf.engine._read.Reader`); changes nothing."""
+        before = self._undo.fingerprint if self._undo is not None else None
+        return self._reader.read(td, self._carry, before)
 
-    def _continuity(self, call: _Call) -> LastRows:
-        """Checks the call's continuity and fingerprint; returns its last rows.
-
-        The call must continue the streams of the calls before it
-        (:mod:`cleanbuf.engine._continuity`); a call that brings the last call's
-        batch again raises :class:`SameBatchAgain` (:mod:`cleanbuf.engine._retry`).
-        Time-aligned full transitions only: other calls keep what they had.
-        """
-        layout = call.layout
-        if call.obs_only or layout.kind == "stream_key":
-            return self._carry.last
-        first = layout.first_rows
-        ends = CallEnds.of_call(
-            call.views, call.obs_keys, first, layout.last_rows, call.done, call.restart
-        )
-        self._fingerprint = fingerprint = Fingerprint.of_call(call.views, first, ends)
-        if self._undo is not None and fingerprint.exact and self._undo.same_batch(fingerprint):
-            raise SameBatchAgain
-        if self.options.check_continuity:
-            self._carry.last.check(ends)
-        return LastRows.of(ends)
-
-    def _nothing_pending(self, carry: Carry, leaves: dict) -> bool:
-        """Whether a call without an episode end has nothing to fix.
-
-        Nothing to fix: no reset row to drop, no row waiting, and no
-        bookkeeping fix that applies to the keys the call has.
-        """
-        # (count_nonzero: a third of what any() costs on these small arrays)
-        nonzero, per_stream = np.count_nonzero, carry.per_stream
-        if nonzero(per_stream[PENDING]) or nonzero(per_stream[WAITING]):
-            return False
-        if nonzero(per_stream[NEED_INIT]) and self.options.is_init_key in leaves:
-            return False
-        if not nonzero(per_stream[SHIFT]):
-            return True
-        return not any(k in leaves for k in self.options.step_count_keys)
-
-    def _pass_through(self, call: _Call) -> TensorDictBase:
+    def _pass_through(self, call: Call) -> TensorDictBase:
         """Every row as it came, as views of the batch.
 
         Disabled mode, or a call with nothing to clean.
@@ -356,9 +171,10 @@ class Cleaner:
             if np.count_nonzero(carry.per_stream[NEED_INIT]):
                 carry.per_stream = carry.per_stream.copy()
                 carry.per_stream[NEED_INIT] = 0
-            carry.last = call.last
+            if call.ends is not None:
+                carry.last = call.ends.last
             self._carry = carry
-        self._commit_layout(layout)
+            self._commit_layout(layout)
         self._stats["rows_in"] += layout.n_rows
         self._stats["rows_out"] += layout.n_rows
         self._stats["episodes_completed"] += int(np.count_nonzero(call.done))
@@ -366,21 +182,15 @@ class Cleaner:
         return as_td(rows, layout.n_rows, call.device)
 
     # -------------------------------------------------------------- 2. plan
-    def _plan(self, call: _Call) -> _Plan:
+    def _plan(self, call: Call) -> _Plan:
         """Runs the planning kernel; reads what it says of the held rows."""
-        opts, layout, rules, views = self.options, call.layout, call.rules, call.views
-        mark = _flags.mark_rows(opts, views, layout, call.done, call.restart)
+        opts, layout, rules = self.options, call.layout, call.rules
         sel, released_src, per_stream, n_drop, n_lost, n_next_lost, n_done, bad_row = plan_rows(
             n=layout.n_rows,
             steps=layout.steps,
             stream=layout.stream,
             done=call.done,
-            joint=_flags.joint_rows(opts, views, call.done, mark, layout),
-            final_ok=_flags.NONE if call.final_present is None else call.final_present,
-            final_default=bool(call.final_of),
-            reward=_flags.reward_rows(opts, views),
-            restart=call.restart,
-            mark=mark,
+            **call.kernel_flags(opts),
             carry=call.carry.per_stream,
             reset_rows=rules.reset_rows,
             successor=rules.successor,
@@ -408,7 +218,7 @@ class Cleaner:
         )  # fmt: skip
 
     # ---------------------------------------------------------- 3-4. move
-    def _move(self, call: _Call, plan: _Plan) -> tuple[Views, dict]:
+    def _move(self, call: Call, plan: _Plan) -> tuple[Views, dict]:
         """Gathers the output rows and the rows to hold.
 
         The output has the released held rows first, then the emitted rows;
@@ -432,7 +242,7 @@ class Cleaner:
         )  # fmt: skip
 
     # -------------------------------------------------------------- 5. patch
-    def _patch(self, call: _Call, plan: _Plan, out: Views, new_held: dict) -> None:
+    def _patch(self, call: Call, plan: _Plan, out: Views, new_held: dict) -> None:
         """Writes next observations, ``is_init`` and step counts into the copies."""
         opts, sel, release = self.options, plan.sel, plan.release
         n_rel = len(release)
@@ -447,7 +257,7 @@ class Cleaner:
             fix_bookkeeping(Views(new_held), 0, sel.hold_init, sel.hold_shift, *keys)
 
     # ------------------------------------------------------------- 6. commit
-    def _commit(self, call: _Call, plan: _Plan, new_held: dict) -> None:
+    def _commit(self, call: Call, plan: _Plan, new_held: dict) -> None:
         """Makes the call's carry state current and counts the call.
 
         Nothing here raises. (The kernel returned a fresh carry array, so
@@ -455,7 +265,8 @@ class Cleaner:
         """
         carry, sel, release = call.carry, plan.sel, plan.release
         carry.per_stream = plan.per_stream
-        carry.last = call.last
+        if call.ends is not None:
+            carry.last = call.ends.last
         if len(carry.held_stream) or len(sel.hold):
             kept_old = plan.released_src[carry.held_stream] == -1
             carry.held = kept_held(carry.held, kept_old, new_held)
@@ -534,55 +345,10 @@ class Cleaner:
         producer's held rows, producer after producer.
         """
         self._undo = None  # a flush is no call to repeat
-        if not self._groups:
-            return self._flush_carry()
-        outs = []
-        for g, carry in enumerate(self._groups):
-            self._carry = carry
-            outs.append(self._flush_carry())
-            self._groups[g] = self._carry
+        carries = self._groups or [self._carry]
+        outs = [flush_carry(self.options, carry, self._stats) for carry in carries]
         outs = [o for o in outs if o.batch_size[0]]
         return torch.cat(outs) if outs else TensorDict({}, batch_size=[0])
-
-    def _flush_carry(self) -> TensorDictBase:
-        """:meth:`flush` of ``self._carry``."""
-        opts, carry = self.options, self._carry
-        n_held = len(carry.held_stream)
-        if n_held == 0:
-            return TensorDict({}, batch_size=[0])
-        rows = dict(carry.held)  # ours, forgotten below: patched in place
-        obs_keys, obs_only = observation_keys(rows, opts.observation_keys, self._bookkeeping())
-        done = done_flags(Views(rows, 1, n_held), opts.done_key)
-        in_done_row = terminal_obs_in_done_row(opts, carry.layout_kind)
-        missing = np.ones(n_held, np.bool_) if obs_only else ~np.full(n_held, in_done_row)
-        # A collector's batch-end mark still undecided: maybe no episode end at
-        # all, and maybe one whose terminal observation was zero-filled.
-        marked = carry.per_stream[MARKED][carry.held_stream] != 0
-        missing |= marked
-        done = done & ~marked
-        n_terminal = int((missing & done).sum())
-        n_next = int((missing & ~done).sum())
-        policy = _checks.lost_policy(opts, obs_keys, rows, n_terminal + n_next, False)
-        for k in obs_keys:
-            nk = ("next", *k)
-            if obs_only:
-                rows[nk] = torch.zeros_like(rows[k])
-            if policy == "nan" and missing.any():
-                fill_rows(Views(rows), nk, np.flatnonzero(missing), float("nan"))
-        keep = np.flatnonzero(~missing) if policy == "drop" else np.arange(n_held)
-        if len(keep) < n_held:
-            idx = torch.from_numpy(keep)
-            rows = {k: v.index_select(0, idx.to(v.device)) for k, v in rows.items()}
-        per_stream = carry.per_stream.copy()
-        per_stream[WAITING] = 0
-        carry.held, carry.held_stream, carry.per_stream = {}, np.zeros(0, np.int64), per_stream
-        s = self._stats
-        s["rows_out"] += len(keep)
-        s["terminal_obs_missing"] += n_terminal
-        s["next_obs_missing"] += n_next
-        s["lost_rows_dropped"] += n_held - len(keep)
-        s["rows_held"] = 0
-        return as_td(rows, len(keep))
 
     def state_dict(self) -> dict:
         """The carry state, counters and options, as tensors and plain Python values."""
@@ -606,57 +372,7 @@ class Cleaner:
         self._stats = dict.fromkeys(STAT_NAMES, 0) | {k: int(v) for k, v in state["stats"].items()}
 
     # ----------------------------------------------------------- helpers
-    def _bookkeeping(self) -> set:
-        return {k for k in (self.options.is_init_key, self.options.step_count_key) if k}
-
-    def _observation_keys(self, leaves: dict) -> tuple[list, bool]:
-        """The observation keys, discovered once per key set.
-
-        :func:`observation_keys`; the shapes and dtypes are checked on every
-        call.
-        """
-        key = tuple(leaves)
-        found = self._obs_keys.get(key)
-        if found is None:
-            found = observation_keys(leaves, self.options.observation_keys, self._bookkeeping())
-            if len(self._obs_keys) < 64:
-                self._obs_keys[key] = found
-        elif not found[1]:
-            for k in found[0]:
-                check_same_layout(leaves, k, ("next", *k))
-        return found
-
-    def _layout(self, td: TensorDictBase) -> CallLayout:
-        """The call's layout, checked against the streams of the calls before.
-
-        Cached per batch shape for the fixed layouts.
-        """
-        opts = self.options
-        names = td.names if td.batch_dims else None
-        if opts.layout == "stream_key":
-            if opts.stream_key not in td.keys(include_nested=True):
-                raise InputError(
-                    f"stream key {key_name(opts.stream_key)} is missing from the "
-                    "batch; it must hold each row's stream (env) id."
-                )
-            if opts.joint_key is not None and opts.joint_key not in td.keys(include_nested=True):
-                raise InputError(
-                    f"joint key {key_name(opts.joint_key)} is missing from the batch; it "
-                    "must hold, per row, True on a done row whose whole reset group was "
-                    "done on that step."
-                )
-            ids = td.get(opts.stream_key)
-            return resolve(td.batch_size, names, opts.layout, ids, self._carry.stream_ids)
-        cache_key = (td.batch_size, None if names is None else tuple(names))
-        layout = self._layouts.get(cache_key)
-        if layout is None:
-            layout = resolve(td.batch_size, names, opts.layout, None, None)
-            if len(self._layouts) < 64:
-                self._layouts[cache_key] = layout
-        _checks.same_streams(self._carry, layout)
-        return layout
-
-    def _commit_layout(self, layout: CallLayout) -> None:
+    def _commit_layout(self, layout) -> None:
         c = self._carry
         if layout.kind == "stream_key":
             old = c.stream_ids if c.stream_ids is not None else np.zeros(0, np.int64)

@@ -1,4 +1,4 @@
-"""Stream continuity: each call's rows must continue the previous call's.
+"""Stream ends: what each call's first and last rows say, read in one kernel pass.
 
 Within a stream, a row's stored next observation is the next row's
 observation, byte for byte, unless the row ended an episode. So the first
@@ -7,12 +7,18 @@ observation of the previous call's last row of that stream, unless that row
 was done or the first row restarts the stream (``is_init``). A mismatch
 means the rows are not the stream the filter thinks: another producer's
 batch (a ``MultiAsyncCollector`` yields its workers' batches in turn), a
-skipped or repeated batch, or a reset the rows do not show. It costs one
-row comparison per stream and observation key per call.
+skipped or repeated batch, or a reset the rows do not show.
 
-The check needs time-aligned streams (``time_last`` and ``step`` layouts)
-and full transitions (observation-only rows have no next observation to
-compare; their held rows take the next call's first row as it is).
+The same comparison decides a collector's batch-end mark (a first row that
+continues its stream after a done row means the done flag was only a mark),
+and the first rows are the fingerprint that recognises a batch written again
+(:mod:`cleanbuf.engine._retry`). :func:`read_ends` reads all three with one
+:func:`~cleanbuf.engine._kernels.stream_ends` call per observation key, over
+the rows' bytes.
+
+It needs time-aligned streams (``time_last`` and ``step`` layouts) and full
+transitions (observation-only rows have no next observation to compare;
+their held rows take the next call's first row as it is).
 """
 
 from __future__ import annotations
@@ -23,50 +29,10 @@ import numpy as np
 import torch
 
 from cleanbuf.engine._errors import ContinuityError, key_name
+from cleanbuf.engine._kernels import stream_ends
 from cleanbuf.engine._move import Views, index_tensor
 
-
-@dataclasses.dataclass(frozen=True)
-class CallEnds:
-    """The first and the last row of each stream of a time-aligned call.
-
-    Attributes:
-        first_obs: observation key -> the first rows' observations ``[S, ...]``.
-        first_restart: bool ``[S]``: the first row restarts its stream.
-        last_next_obs: observation key -> the last rows' next observations.
-        last_open: bool ``[S]``: the last row did not end an episode.
-    """
-
-    first_obs: dict
-    first_restart: np.ndarray
-    last_next_obs: dict
-    last_open: np.ndarray
-
-    @classmethod
-    def of_call(
-        cls,
-        rows: Views,
-        obs_keys: list,
-        first: np.ndarray,
-        last: np.ndarray,
-        done: np.ndarray,
-        restart: np.ndarray,
-    ) -> CallEnds:
-        """Reads the rows ``first`` and ``last`` (one per stream) of a call.
-
-        Examples:
-            >>> rows = Views({("obs",): torch.arange(6.0), ("next", "obs"): torch.arange(1.0, 7.0)})
-            >>> ends = CallEnds.of_call(rows, [("obs",)], np.array([0, 3]), np.array([2, 5]),
-            ...                         np.zeros(6, bool), np.zeros(0, bool))
-            >>> ends.first_obs[("obs",)].tolist(), ends.last_next_obs[("obs",)].tolist()
-            ([0.0, 3.0], [3.0, 6.0])
-        """
-        return cls(
-            {k: take_rows(rows, k, first) for k in obs_keys},
-            restart[first] if len(restart) else np.zeros(len(first), np.bool_),
-            {k: take_rows(rows, ("next", *k), last) for k in obs_keys},
-            ~done[last],
-        )
+_NO_BYTES = np.zeros((0, 0), np.uint8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +40,8 @@ class LastRows:
     """Per stream, what the stream's next row must continue (part of the carry).
 
     Attributes:
-        next_obs: observation key -> the stored next observation of the
-            stream's last row, ``[S, ...]``.
+        next_obs: observation key -> the bytes of the stored next
+            observation of the stream's last row, uint8 ``[S, B]``.
         open: bool ``[S]``: the next row must continue that row (it was
             not done). False for streams not seen yet.
     """
@@ -83,87 +49,152 @@ class LastRows:
     next_obs: dict = dataclasses.field(default_factory=dict)
     open: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.bool_))
 
-    @classmethod
-    def of(cls, ends: CallEnds) -> LastRows:
-        """The last rows of a call."""
-        return cls(ends.last_next_obs, ends.last_open)
 
-    def check(self, ends: CallEnds) -> None:
-        """Raises unless each stream's first row in a call continues its last row.
+@dataclasses.dataclass(frozen=True)
+class CallEnds:
+    """What a time-aligned call's first and last rows say.
 
-        Raises:
-            ContinuityError: a stream's first row does not continue.
-        """
-        n = min(len(self.open), len(ends.first_restart))
-        if not n or not np.count_nonzero(self.open):
-            return
-        streams = np.flatnonzero(self.open[:n] & ~ends.first_restart[:n])
-        for k, first in ends.first_obs.items():
-            first, last = _index(first, streams), _index(self.next_obs[k], streams)
-            if same_bytes(first, last):
-                continue
-            same = same_rows(first, last)
-            if not same.all():
-                bad = int(streams[np.flatnonzero(~same)[0]])
-                raise ContinuityError(
-                    f"stream {bad} does not continue: the observation {key_name(k)} of its first "
-                    "row in this call differs from the next observation of its last row in the "
-                    "previous call, and neither row ends an episode or restarts the stream. "
-                    "Likely causes: batches from another producer (a MultiAsyncCollector "
-                    "yields its workers' batches in turn: build the filter with "
-                    "AutoresetFilter.for_env(collector), or give the collector the buffer), "
-                    "a batch skipped or written twice, or a reset the rows do not show (add "
-                    "InitTracker() to the env). check_continuity=False turns this check off. "
-                    "Nothing was written."
-                )
-
-
-def take_rows(rows: Views, key: tuple, index: np.ndarray) -> torch.Tensor | np.ndarray:
-    """A copy of rows ``index`` of ``rows[key]``, numpy where it has a view."""
-    a = rows[key]
-    if a is not None:
-        return a[index]
-    return rows.flat(key).index_select(0, index_tensor(index, rows.tensors[key].device))
-
-
-def _index(x, streams: np.ndarray):
-    if len(streams) == len(x):
-        return x
-    if isinstance(x, np.ndarray):
-        return x[streams]
-    return x.index_select(0, index_tensor(streams, x.device))
-
-
-def same_bytes(a, b) -> bool:
-    """Whether two numpy arrays hold the same bytes; False for anything else.
-
-    The common case of :func:`same_rows`, in one comparison.
+    Attributes:
+        last: the call's last rows, for the next call.
+        cont: uint8 ``[S]``: 1 where the stream's first row continues the
+            previous call's last row (every observation key equal).
+        first: key -> the first rows' bytes (the observations, and the
+            trajectory ids when the rows have some): the retry fingerprint.
+        repeats: every first row equals the fingerprint it was compared with.
     """
-    return (
-        isinstance(a, np.ndarray)
-        and isinstance(b, np.ndarray)
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.tobytes() == b.tobytes()
+
+    last: LastRows
+    cont: np.ndarray
+    first: dict
+    repeats: bool
+
+
+def read_ends(
+    rows: Views,
+    obs_keys: list,
+    steps: int,
+    done: np.ndarray,
+    before: LastRows,
+    fingerprint: dict | None,
+    fingerprint_keys: tuple = (),
+) -> CallEnds:
+    """Reads the first and the last row of each stream of a time-aligned call.
+
+    Args:
+        rows: the call's leaves, read as rows (stream after stream, ``steps``
+            rows each).
+        obs_keys: the observation keys.
+        steps: rows per stream.
+        done: bool ``[N]``, the rows' done flags.
+        before: the previous call's last rows.
+        fingerprint: the first rows of the call to compare with (the last
+            call's), or None.
+        fingerprint_keys: further keys of the fingerprint (trajectory ids).
+
+    Examples:
+        >>> rows = Views({("obs",): torch.arange(6.0), ("next", "obs"): torch.arange(1.0, 7.0)})
+        >>> ends = read_ends(rows, [("obs",)], 3, np.zeros(6, bool), LastRows(), None)
+        >>> ends.last.next_obs[("obs",)].view(np.float32).ravel().tolist()
+        [3.0, 6.0]
+        >>> later = Views({("obs",): torch.tensor([3.0, 7.0]), ("next", "obs"): torch.zeros(2)})
+        >>> read_ends(later, [("obs",)], 1, np.zeros(2, bool), ends.last, None).cont.tolist()
+        [1, 0]
+    """
+    fingerprint = fingerprint or {}
+    cont, first, last, repeats = None, {}, {}, bool(fingerprint)
+    for k in obs_keys:
+        before_k = before.next_obs.get(k, _NO_BYTES)
+        obs, nxt, k_steps = _row_bytes(rows, k, ("next", *k), steps)
+        f, last[k], c, same = stream_ends(
+            obs, nxt, k_steps, before_k, fingerprint.get(k, _NO_BYTES)
+        )
+        first[k] = f
+        cont = c if cont is None else cont & c
+        repeats = repeats and same
+    for k in fingerprint_keys:
+        ids, _, k_steps = _row_bytes(rows, k, k, steps)
+        first[k], _, _, same = stream_ends(
+            ids, ids, k_steps, _NO_BYTES, fingerprint.get(k, _NO_BYTES)
+        )
+        repeats = repeats and same
+    repeats = repeats and fingerprint.keys() == first.keys()
+    return CallEnds(LastRows(last, ~done[steps - 1 :: steps]), cont, first, repeats)
+
+
+def check(before: LastRows, ends: CallEnds, first_restart: np.ndarray, obs_keys: list) -> None:
+    """Raises unless each stream's first row in a call continues its last row.
+
+    Args:
+        before: the previous call's last rows.
+        ends: this call's.
+        first_restart: bool ``[S]`` or empty: the stream's first row
+            restarts it (``is_init``).
+        obs_keys: the observation keys (for the message).
+
+    Raises:
+        ContinuityError: a stream's first row does not continue.
+    """
+    n = min(len(before.open), len(ends.cont))
+    if not n or not np.count_nonzero(before.open):
+        return
+    broken = before.open[:n] & (ends.cont[:n] == 0)
+    if len(first_restart):
+        broken &= ~first_restart[:n]
+    if not np.count_nonzero(broken):
+        return
+    bad = int(np.flatnonzero(broken)[0])
+    keys = ", ".join(key_name(k) for k in obs_keys)
+    raise ContinuityError(
+        f"stream {bad} does not continue: the observation ({keys}) of its first row in this "
+        "call differs from the next observation of its last row in the previous call, and "
+        "neither row ends an episode or restarts the stream. Likely causes: batches from "
+        "another producer (a MultiAsyncCollector yields its workers' batches in turn: build "
+        "the filter with AutoresetFilter.for_env(collector), or give the collector the "
+        "buffer), a batch skipped or written twice, or a reset the rows do not show (add "
+        "InitTracker() to the env). check_continuity=False turns this check off. Nothing "
+        "was written."
     )
 
 
-def same_rows(a, b) -> np.ndarray:
-    """Per row, whether ``a`` and ``b`` hold the same bytes (NaN equal to NaN).
+def as_bytes(x) -> np.ndarray:
+    """Rows ``[R, ...]`` of a tensor or array as uint8 ``[R, B]`` (a copy where needed).
 
     Examples:
-        >>> same_rows(np.array([[1.0, np.nan], [2.0, 3.0]]), np.array([[1.0, np.nan], [2.0, 4.0]]))
-        array([ True, False])
+        >>> as_bytes(torch.tensor([[1.0], [2.0]])).shape
+        (2, 4)
     """
-    if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
-        a, b = torch.as_tensor(a).contiguous(), torch.as_tensor(b).contiguous()
-        if a.dtype != b.dtype or a.shape != b.shape or not len(a):
-            return np.zeros(len(a), np.bool_)
-        a, b = a.view(torch.uint8), b.to(a.device).view(torch.uint8)
-        return (a.reshape(len(a), -1) == b.reshape(len(b), -1)).all(1).cpu().numpy()
-    if a.dtype != b.dtype or a.shape != b.shape or not len(a):
-        return np.zeros(len(a), np.bool_)
-    n = len(a)
-    a = np.ascontiguousarray(a).view(np.uint8).reshape(n, -1)
-    b = np.ascontiguousarray(b).view(np.uint8).reshape(n, -1)
-    return (a == b).all(1)
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().contiguous()
+        if not x.numel():
+            return np.zeros((len(x), 0), np.uint8)
+        return x.reshape(len(x), -1).view(torch.uint8).numpy()
+    x = np.ascontiguousarray(x)
+    return x.reshape(len(x), -1).view(np.uint8)
+
+
+def _row_bytes(rows: Views, key: tuple, next_key: tuple, steps: int) -> tuple:
+    """The bytes of ``rows[key]`` and ``rows[next_key]``, and the rows per stream.
+
+    The numpy views of the whole call where the rows have them (no copy);
+    else (another device, a dtype numpy lacks) copies of just the first and
+    the last rows, read as one row per stream.
+    """
+    a, b = rows[key], rows[next_key]
+    if (
+        a is not None
+        and b is not None
+        and a.flags.c_contiguous
+        and b.flags.c_contiguous
+        and a.dtype.kind != "O"
+    ):
+        n = len(a)
+        return a.reshape(n, -1).view(np.uint8), b.reshape(n, -1).view(np.uint8), steps
+    n = rows.n_rows or len(rows.flat(key))
+    first = index_tensor(np.arange(0, n, steps))
+    last = index_tensor(np.arange(steps - 1, n, steps))
+    x, y = rows.flat(key), rows.flat(next_key)
+    return (
+        as_bytes(x.index_select(0, first.to(x.device))),
+        as_bytes(y.index_select(0, last.to(y.device))),
+        1,
+    )

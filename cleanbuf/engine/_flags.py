@@ -9,9 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cleanbuf.engine._checks import reset_groups, set_truncated_needs_restarts
 from cleanbuf.engine._keys import row_flags
-from cleanbuf.engine._layout import CallLayout
 from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
 
@@ -37,27 +35,9 @@ def restart_rows(options: Options, rows: Views) -> np.ndarray:
     return NONE
 
 
-def mark_rows(
-    options: Options, rows: Views, layout: CallLayout, done: np.ndarray, restart: np.ndarray
-) -> np.ndarray:
-    """Per row, an undecided collector batch-end mark (with ``set_truncated``).
-
-    A done row on the call's last step whose only end signal may be the
-    collector's truncation mark (truncated, not terminated).
-    """
-    if not options.set_truncated or not np.count_nonzero(done):
-        return NONE
-    set_truncated_needs_restarts(restart)
-    mark = np.zeros(layout.n_rows, np.bool_)
-    last = layout.last_rows
-    truncated = _flag_or(rows, ("next", "truncated"), True)
-    terminated = _flag_or(rows, ("next", "terminated"), False)
-    mark[last] = (done & truncated & ~terminated)[last]
-    return mark
-
-
-def _flag_or(rows: Views, key: tuple, default: bool) -> np.ndarray | bool:
-    return row_flags(key[-1], key, rows) if key in rows.tensors else default
+def row_flags_or_none(rows: Views, key: tuple) -> np.ndarray:
+    """The flags of ``key`` (see :func:`row_flags`), or empty where the rows lack it."""
+    return row_flags(key[-1], key, rows) if key in rows.tensors else NONE
 
 
 def reward_rows(options: Options, rows: Views) -> np.ndarray:
@@ -73,25 +53,12 @@ def reward_rows(options: Options, rows: Views) -> np.ndarray:
     return (reward != 0).reshape(n, -1).any(1).to(torch.uint8).cpu().numpy()
 
 
-def joint_rows(
-    options: Options, rows: Views, done: np.ndarray, mark: np.ndarray, layout: CallLayout
-) -> np.ndarray:
-    """Per row, done at a step where its whole reset group is done (``joint_reset``).
+def joint_rows(options: Options, rows: Views, done: np.ndarray) -> np.ndarray:
+    """Per flat row, done at a step where its whole reset group was done (``joint_key``).
 
-    Read from the done flags of each step, or, for flat rows, from
-    ``joint_key``.
-
-    A collector's undecided batch-end marks do not count (if they hid a
-    real joint reset, the next row is a restart).
+    Time-aligned rows need no such flags: the planning kernel reads their
+    joint resets from the done flags of each step (``group``).
     """
-    if not options.joint_reset:
+    if not options.joint_reset or options.joint_key is None:
         return NONE
-    if options.joint_key is not None:  # flat rows: the flags come with them
-        return done & row_flags("joint_key", options.joint_key, rows)
-    n_streams = layout.n_streams
-    group = options.reset_group_size or n_streams
-    reset_groups(group, n_streams, layout.stream_shape)
-    if len(mark):
-        done = done & ~mark
-    d = done.reshape(n_streams // group, group, layout.steps)
-    return (d & d.all(axis=1, keepdims=True)).reshape(-1)
+    return done & row_flags("joint_key", options.joint_key, rows)

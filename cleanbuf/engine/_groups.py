@@ -9,12 +9,15 @@ Ray replay buffer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from tensordict import TensorDictBase
 
 from cleanbuf.engine._carry import Carry
-from cleanbuf.engine._errors import InputError
+from cleanbuf.engine._errors import ContinuityError, InputError
 from cleanbuf.engine._flags import restart_rows
+from cleanbuf.engine._keys import TRAJ_IDS
 from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
 
@@ -126,3 +129,63 @@ def candidates(
     others = [g for _, g in sorted(restarted)] + by_chance
     others += [g for g in blank if g not in others and g not in matching]
     return matching, [*others, len(groups)]
+
+
+def producer_key(options: Options, many_producers: bool, td: TensorDictBase) -> tuple | None:
+    """The key that tells the batch's producer, or None for one producer."""
+    key = options.producer_key
+    if key is not None or not many_producers:
+        return key
+    if options.layout in (None, "time_last") and td.batch_dims >= 2:
+        # get, not keys(): a LazyStackedTensorDict (a batch Ray carried)
+        # does not list its nested keys as containing them.
+        if td.get(TRAJ_IDS, None) is not None:
+            return TRAJ_IDS
+    return None
+
+
+def clean_routed(cleaner, td: TensorDictBase, key: tuple, clean: Callable) -> TensorDictBase:
+    """``clean(td)`` against the carry of the batch's producer.
+
+    With several producers, the batch goes to the first producer it
+    continues (:func:`candidates`); ``clean`` changes nothing when it
+    refuses one. When the producers draw trajectory ids from one pool
+    (``producer_key``), a batch sharing ids with producers it does not
+    continue is refused (a skipped or repeated batch); when they may share
+    ids (``cleaner.many_producers``), it starts a new one.
+    """
+    groups = cleaner._groups
+    first, last = trajectory_ends(td, key)
+    restarts = None
+    if cleaner.many_producers and cleaner.options.producer_key is None:
+        restarts = first_restarts(td, cleaner.options)  # pools of their own: ids shared by chance
+    matching, others = candidates(groups, first, restarts)
+    refused = None
+    for group in matching:
+        try:
+            out = _clean_as(cleaner, group, td, clean)
+            break
+        except ContinuityError as err:
+            refused = refused or err
+    else:
+        if refused is not None and not cleaner.many_producers:
+            raise refused
+        for group in others:  # the last, a new producer, refuses nothing
+            try:
+                out = _clean_as(cleaner, group, td, clean)
+                break
+            except ContinuityError:
+                continue  # an id it shares by chance: its open streams say no
+    cleaner._carry.traj_ids = last
+    if group == len(groups):
+        groups.append(cleaner._carry)
+    groups[group] = cleaner._carry
+    cleaner._stats["rows_held"] = sum(len(c.held_stream) for c in groups)
+    return out
+
+
+def _clean_as(cleaner, group: int, td: TensorDictBase, clean: Callable) -> TensorDictBase:
+    """``clean(td)`` against producer ``group``'s carry (a new one past the last)."""
+    groups = cleaner._groups
+    cleaner._carry = groups[group] if group < len(groups) else Carry()
+    return clean(td)  # commits into cleaner._carry, or raises having changed nothing

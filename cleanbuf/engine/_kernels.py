@@ -68,8 +68,9 @@ NO_ROWS.flags.writeable = False
 
 
 @njit(cache=True, nogil=True)
-def plan(n, steps, stream, done, joint, final_ok, final_default, reward, restart, mark, carry,
-         reset_rows, successor, final, stitch, hold_done):  # fmt: skip
+def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, restart,
+         terminated, truncated, marks, cont, carry, reset_rows, successor, final, stitch,
+         hold_done):  # fmt: skip
     """Plans one call from flags and the carry state, in one pass over the rows.
 
     It reads one flag byte per row (plus the reward where the reset-row check
@@ -85,7 +86,11 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, restart
             streams may interleave freely.
         done: bool[N], the row ends an episode.
         joint: bool[N] or empty: a done row at a step where its whole reset
-            group is done, so no reset row follows it (next-step mode).
+            group is done, so no reset row follows it (next-step mode), as
+            given with flat rows (``joint_key``).
+        group: time-last rows: the reset group size (that many consecutive
+            streams reset together when all are done at one step, TorchRL's
+            joint reset), read from the done flags here; 0 for none.
         final_ok: bool[N] or empty (then ``final_default`` for every row):
             the row's final-observation entry is present (same-step mode).
         final_default: see ``final_ok``.
@@ -97,11 +102,19 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, restart
             check (a collector reset between calls), the row restarts the
             stream: a row waiting for its next observation has lost it, and
             nothing of the old episode carries over.
-        mark: bool[N] or empty: a done row whose only end signal may be a
-            collector's batch-end truncation mark (TorchRL
-            ``set_truncated=True``). The next row of its stream decides:
-            a restart row means a real episode end, any other row means it
-            was only a mark and the row is complete as stored.
+        terminated: bool[N] or empty: the rows' terminated flags (read
+            for batch-end marks only).
+        truncated: bool[N] or empty: their truncated flags (the same).
+        marks: time-last rows: a done, truncated, not terminated row on the
+            call's last step may be only a collector's batch-end mark
+            (TorchRL ``set_truncated=True``). It is held undecided, and its
+            stream's next row decides: a restart (``restart`` where the rows
+            have it, else a first row that does not continue the stream,
+            ``cont``) means a real episode end, any other row means it was
+            only a mark and the row is complete as stored.
+        cont: uint8[S] or empty: per stream, 1 where this call's first row
+            continues the last call's last row (its observation equals that
+            row's stored next observation, byte for byte).
         carry: int64[5, S], the carry state per stream, one row each (0 or
             1): ``PENDING``, a reset row comes next in the stream;
             ``WAITING``, the stream's held row waits for the next row of the
@@ -109,7 +122,8 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, restart
             an auto-reset began (its ``is_init`` must be set); ``SHIFT``,
             the stream's current episode began with a dropped reset row (its
             step counts are one too high); ``MARKED``, the pending done row
-            is an undecided mark.
+            is an undecided mark (2: its whole reset group was done with it,
+            so a real end is a joint reset, after which no reset row comes).
         reset_rows: next-step mode: a reset row follows each non-joint done row.
         successor: observation-only data: each row's next observation is the
             next row's observation (or, with ``final``, a done row's final
@@ -145,11 +159,18 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, restart
     need_init = carry[NEED_INIT]
     shift = carry[SHIFT]
     marked = carry[MARKED]
-    has_joint = joint.shape[0] > 0
     has_final = final_ok.shape[0] > 0
     has_restart = restart.shape[0] > 0
-    has_mark = mark.shape[0] > 0
+    has_cont = cont.shape[0] > 0
     check = reward.shape[0] > 0
+    mark = _batch_end_marks(n, steps, done, terminated, truncated, marks)
+    has_mark = mark.shape[0] > 0
+    joint_marks = mark[:0]
+    if group > 0 and steps > 0:
+        joint = _joint_rows(n, steps, group, done, mark, False)
+        if has_mark:
+            joint_marks = _joint_rows(n, steps, group, done, mark, True)
+    has_joint = joint.shape[0] > 0
     code = np.empty(n, np.int8)
     # With time-last rows a row's source is always the next row (i + 1), which
     # select_rows knows; only interleaved streams need the array (written
@@ -163,11 +184,20 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, restart
     for i in range(n):
         s = i // steps if steps > 0 else stream[i]
         fresh = has_restart and restart[i]
+        force = False  # a restart, whatever the row looks like
         if marked[s]:
             # The stream's last row was a batch-end mark: this row decides.
-            marked[s] = False
-            if fresh:
+            was_joint = marked[s] == 2
+            marked[s] = 0
+            real = fresh if has_restart else (has_cont and not seen[s] and cont[s] == 0)
+            if real:
                 n_done += 1  # a real episode end; go on as after any done row
+                if not has_restart:
+                    # Read from the bytes alone: this row is a reset row or a
+                    # restart (which the reset-row check tells apart); after
+                    # a joint reset no reset row comes.
+                    fresh = True
+                    force = was_joint
             else:
                 pending[s] = False  # only a mark: the row is complete as stored
                 if not successor:  # (observation-only rows take this row's obs below)
@@ -181,7 +211,9 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, restart
         seen[s] = True
         # A reset row may carry a collector's mark, which is not its own end.
         ends = done[i] and not (has_mark and mark[i])
-        if fresh and (not pending[s] or (first and (ends or (check and reward[i] != 0)))):
+        if force or (
+            fresh and (not pending[s] or (first and (ends or (check and reward[i] != 0))))
+        ):
             # A restart: not the expected reset row. The row waiting for this
             # one lost its next observation; nothing of the old episode carries.
             # (Only a collector reset between calls restarts a stream that
@@ -228,7 +260,8 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, restart
             c |= SHIFT_BIT
         if done[i]:
             if has_mark and mark[i]:
-                marked[s] = True  # counted, and the shift ended, once decided
+                # counted, and the shift ended, once decided
+                marked[s] = 2 if joint_marks.shape[0] and joint_marks[i] else 1
             else:
                 n_done += 1
                 shift[s] = 0
@@ -259,6 +292,87 @@ def plan(n, steps, stream, done, joint, final_ok, final_default, reward, restart
         if open_row[s] >= 0:
             waiting[s] = True
     return code, next_src, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row
+
+
+@njit(cache=True, nogil=True)
+def _batch_end_marks(n, steps, done, terminated, truncated, marks):
+    """Per row, a possible batch-end mark (see :func:`plan`), or empty if none can be."""
+    if not marks or steps == 0 or truncated.shape[0] == 0:
+        return np.zeros(0, np.bool_)
+    has_terminated = terminated.shape[0] > 0
+    mark = np.zeros(n, np.bool_)
+    for i in range(steps - 1, n, steps):
+        if done[i] and truncated[i] and not (has_terminated and terminated[i]):
+            mark[i] = True
+    return mark
+
+
+@njit(cache=True, nogil=True)
+def _joint_rows(n, steps, group, done, mark, marks_count):
+    """Per time-last row, done at a step where its whole reset group is done.
+
+    A batch-end mark counts as done only with ``marks_count`` (a mark that
+    hid a real joint reset shows it in the next call).
+    """
+    has_mark = mark.shape[0] > 0
+    joint = np.zeros(n, np.bool_)
+    span = group * steps
+    for start in range(0, n - span + 1, span):
+        for t in range(steps):
+            together = True
+            for i in range(start + t, start + span, steps):
+                if not done[i] or (has_mark and mark[i] and not marks_count):
+                    together = False
+                    break
+            if together:
+                for i in range(start + t, start + span, steps):
+                    joint[i] = True
+    return joint
+
+
+@njit(cache=True, nogil=True)
+def stream_ends(obs, next_obs, steps, last_next, first_before):
+    """Reads the first and last row of each stream of a time-aligned call.
+
+    One pass over ``2 * S`` rows of bytes, for the continuity check, the
+    batch-end mark decisions and the retry fingerprint.
+
+    Args:
+        obs: uint8[N, B], the rows' observations as bytes (time-last: row
+            ``i`` belongs to stream ``i // steps``).
+        next_obs: uint8[N, B], their stored next observations.
+        steps: rows per stream.
+        last_next: uint8[S0, B], the previous call's last next observation
+            of its first ``S0`` streams (S0 may be 0).
+        first_before: uint8[S1, B], the previous call's first observations.
+
+    Returns:
+        ``(first, last, cont, same_first)``: copies of each stream's first
+        observation and last next observation (uint8[S, B]); per stream,
+        1 where its first row's observation equals ``last_next`` (0 where it
+        differs or the stream is new); and whether every first row equals
+        ``first_before`` (a call bringing the last call's batch again).
+    """
+    n_streams = obs.shape[0] // steps
+    width = obs.shape[1]
+    first = np.empty((n_streams, width), np.uint8)
+    last = np.empty((n_streams, width), np.uint8)
+    cont = np.zeros(n_streams, np.uint8)
+    same_first = first_before.shape[0] == n_streams and first_before.shape[1] == width
+    known = last_next.shape[0] if last_next.shape[1] == width else 0
+    for s in range(n_streams):
+        a, b = s * steps, s * steps + steps - 1
+        equal = s < known
+        for j in range(width):
+            x = obs[a, j]
+            first[s, j] = x
+            last[s, j] = next_obs[b, j]
+            if equal and x != last_next[s, j]:
+                equal = False
+            if same_first and x != first_before[s, j]:
+                same_first = False
+        cont[s] = equal
+    return first, last, cont, same_first
 
 
 class Selection(NamedTuple):
@@ -371,8 +485,9 @@ def select_rows(code, next_src, drop_lost):
 
 
 @njit(cache=True, nogil=True)
-def plan_rows(n, steps, stream, done, joint, final_ok, final_default, reward, restart, mark,
-              carry, reset_rows, successor, final, stitch, hold_done, drop_lost):  # fmt: skip
+def plan_rows(n, steps, stream, done, joint, group, final_ok, final_default, reward, restart,
+              terminated, truncated, marks, cont, carry, reset_rows, successor, final, stitch,
+              hold_done, drop_lost):  # fmt: skip
     """:func:`plan`, then :func:`select_rows`, in one call from Python.
 
     The arguments are those of the two (``drop_lost`` is that of
@@ -386,8 +501,8 @@ def plan_rows(n, steps, stream, done, joint, final_ok, final_default, reward, re
         selection is empty.
     """
     code, next_src, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row = plan(
-        n, steps, stream, done, joint, final_ok, final_default, reward, restart, mark, carry,
-        reset_rows, successor, final, stitch, hold_done,
+        n, steps, stream, done, joint, group, final_ok, final_default, reward, restart,
+        terminated, truncated, marks, cont, carry, reset_rows, successor, final, stitch, hold_done,
     )  # fmt: skip
     if bad_row >= 0:
         code = code[:0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 from tensordict import NestedKey, unravel_key
@@ -82,7 +83,6 @@ class Options:
     final_obs_key: tuple | None = None
     keep_final_obs: bool = False
     compact: bool = False
-    set_truncated: bool = False
     check_continuity: bool = True
     producer_key: tuple | None = None
 
@@ -129,6 +129,15 @@ class Options:
             >>> Options.build("next_step", layout="step").layout
             'step'
         """
+        if "set_truncated" in kwargs:
+            kwargs.pop("set_truncated")
+            warnings.warn(
+                "set_truncated is no longer an option: a collector's batch-end marks are "
+                "recognised from the rows themselves (the next row of the stream decides). "
+                "Remove the argument; it is ignored.",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         names = {f.name for f in dataclasses.fields(cls)} - {"mode"}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -200,12 +209,6 @@ class Options:
             ):
                 obs_keys = [obs_keys]
             obs_keys = tuple(_key(k) for k in obs_keys)
-        if kwargs.get("set_truncated") and mode != "next_step":
-            raise CleanbufError(
-                f"set_truncated=True describes a TorchRL collector's batch-end marks on "
-                f"next-step data; it does not go with mode={mode!r} (TorchRL repairs "
-                "same-step and disabled producers itself, and their marks pass through)."
-            )
         if joint and mode != "next_step":
             raise CleanbufError(
                 f"joint_reset=True (or joint_key=) describes next-step data (TorchRL's "

@@ -6,17 +6,18 @@ already moved on: the held rows it released in that call, and its flags,
 belong to rows that never reached the buffer. A user who writes the same
 batch again gets those rows again: the cleaner keeps what it was before its
 last call, and when a call brings that call's batch again it goes back to
-it first.
+it first (:func:`call_with_retry`).
 
 The batch is recognised by the first row of each stream: its observation,
 and its trajectory id where the rows have TorchRL's
-``("collector", "traj_ids")``. With trajectory ids it is checked on every
-call. An id alone is not enough: a stream keeps its id for a whole episode,
-so two batches in a row start with the same ids whenever no episode ended
-between their starts (every batch of a 200-step Pendulum episode
-collected 8 steps at a time). The observation tells them apart: the next
-batch starts where the last one ended. Only an env whose observation did
-not change over a whole batch, in every stream, looks the same. Without
+``("collector", "traj_ids")`` (read with the stream ends,
+:func:`cleanbuf.engine._continuity.read_ends`). With trajectory ids it is
+checked on every call. An id alone is not enough: a stream keeps its id for
+a whole episode, so two batches in a row start with the same ids whenever
+no episode ended between their starts (every batch of a 200-step Pendulum
+episode collected 8 steps at a time). The observation tells them apart: the
+next batch starts where the last one ended. Only an env whose observation
+did not change over a whole batch, in every stream, looks the same. Without
 trajectory ids the fingerprint is checked only when the call fails: a
 repeated batch does not follow the streams, so the continuity check or the
 reset-row check refuses it, unless every stream ended or restarted right at
@@ -26,12 +27,10 @@ its start; such a repeat is not recognised.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
-import numpy as np
-
-from cleanbuf.engine._continuity import CallEnds, same_bytes, same_rows, take_rows
-from cleanbuf.engine._keys import TRAJ_IDS
-from cleanbuf.engine._move import Views
+from cleanbuf.engine._errors import CleanbufError
 
 
 class SameBatchAgain(Exception):
@@ -44,35 +43,15 @@ class Fingerprint:
 
     Attributes:
         exact: the rows include trajectory ids (checked on every call).
-        rows: key -> rows ``[S, ...]`` (copies): the observations, and the
-            trajectory ids when there are some.
+        rows: key -> the first rows' bytes ``[S, B]``: the observations, and
+            the trajectory ids when there are some.
+        again: the rows equal the fingerprint of the call before (compared
+            when read).
     """
 
     exact: bool
     rows: dict
-
-    @classmethod
-    def of_call(cls, views: Views, first: np.ndarray, ends: CallEnds) -> Fingerprint:
-        """The fingerprint of a call from its first row of each stream.
-
-        The observations of the rows ``first`` (``ends``), with their
-        trajectory ids when the rows have some.
-        """
-        if TRAJ_IDS not in views.tensors:
-            return cls(False, ends.first_obs)
-        return cls(True, {**ends.first_obs, TRAJ_IDS: take_rows(views, TRAJ_IDS, first)})
-
-    def same(self, other: Fingerprint | None) -> bool:
-        """Whether ``other`` has the same first rows, byte for byte."""
-        if other is None or other.exact != self.exact or other.rows.keys() != self.rows.keys():
-            return False
-        return all(_same(a, other.rows[k]) for k, a in self.rows.items())
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        return same_bytes(a, b)
-    return a.shape == b.shape and bool(same_rows(a, b).all())
+    again: bool
 
 
 @dataclasses.dataclass
@@ -95,10 +74,41 @@ class Undo:
             cleaner._carry.snapshot(), [g.snapshot() for g in cleaner._groups], dict(cleaner._stats)
         )
 
-    def same_batch(self, fingerprint: Fingerprint | None) -> bool:
-        """Whether a call with ``fingerprint`` brings this call's batch again."""
-        return fingerprint is not None and fingerprint.same(self.fingerprint)
-
     def restore(self, cleaner) -> None:
         """Puts ``cleaner`` back as it was when snapshotted."""
         cleaner._carry, cleaner._groups, cleaner._stats = self.carry, self.groups, self.stats
+
+
+def call_with_retry(cleaner, td: Any, call: Callable) -> Any:
+    """``call(td)`` on ``cleaner``, going back first if ``td`` is the last call's batch.
+
+    ``call`` raises :class:`SameBatchAgain` when the rows' fingerprint
+    (with trajectory ids) says so; a call that fails otherwise is retried
+    from before the last call when its fingerprint matches that call's. A
+    call that fails leaves the cleaner as it was.
+    """
+    undo = Undo.of(cleaner)
+    try:
+        out = call(td)
+    except (SameBatchAgain, CleanbufError) as err:
+        fingerprint = cleaner._fingerprint
+        again = cleaner._undo is not None and (
+            isinstance(err, SameBatchAgain) or (fingerprint is not None and fingerprint.again)
+        )
+        if not again:
+            raise
+        last, cleaner._undo = cleaner._undo, None
+        last.restore(cleaner)
+        retry = Undo.of(cleaner)
+        try:
+            out = call(td)
+        except CleanbufError:
+            undo.restore(cleaner)  # as before this call, which changes nothing
+            cleaner._undo = last
+            if isinstance(err, SameBatchAgain):
+                raise
+            raise err from None
+        undo = retry
+    undo.fingerprint = cleaner._fingerprint
+    cleaner._undo = undo
+    return out

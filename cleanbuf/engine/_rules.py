@@ -21,10 +21,14 @@ class Rules(NamedTuple):
         hold_done: a next-step done row waits for its reset row (False when
             the done row already holds its terminal observation).
         drop_lost: rows whose next observation is lost are not stored.
+        marks: a done, truncated, not terminated row on a call's last step
+            may be only a collector's batch-end mark (next-step time-last
+            batches whose done rows lack their terminal observation, as
+            TorchRL collectors write them): the next row decides.
 
     Examples:
         >>> Rules.of(Options(mode="next_step"), False, "time_last")
-        Rules(reset_rows=True, successor=False, final=False, stitch=True, hold_done=True, drop_lost=False)
+        Rules(reset_rows=True, successor=False, final=False, stitch=True, hold_done=True, drop_lost=False, marks=True)
         >>> Rules.of(Options(mode="next_step"), False, "step").hold_done  # raw loops keep it
         False
     """  # noqa: E501
@@ -35,6 +39,7 @@ class Rules(NamedTuple):
     stitch: bool
     hold_done: bool
     drop_lost: bool
+    marks: bool
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
@@ -49,6 +54,9 @@ class Rules(NamedTuple):
             stitch=stitch,
             hold_done=stitch and (obs_only or not terminal_obs_in_done_row(options, layout_kind)),
             drop_lost=options.on_lost_terminal_obs == "drop",
+            marks=not same_step
+            and layout_kind == "time_last"
+            and not terminal_obs_in_done_row(options, layout_kind),
         )
 
 

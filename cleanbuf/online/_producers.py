@@ -102,8 +102,8 @@ def _collector_options(collector: Any) -> Reading:
     """The options for a TorchRL collector.
 
     Its env's options; a multi-process collector's workers, each its own
-    reset group; batch-end marks with ``set_truncated=True``;
-    observation-only data with ``compact_obs=True``.
+    reset group; observation-only data with ``compact_obs=True``. (Batch-end
+    marks, ``set_truncated=True``, need no option: the rows tell them.)
     """
     from torchrl.collectors import MultiCollector
 
@@ -126,9 +126,6 @@ def _collector_options(collector: Any) -> Reading:
             if name not in _BOOKKEEPING and root not in obs_keys:
                 obs_keys.append(root)
     opts = reading.options
-    if getattr(collector, "set_truncated", False) and opts["mode"] == "next_step":
-        opts["set_truncated"] = True
-        reading.why += ", set_truncated=True: batch-end marks"
     if getattr(collector, "compact_obs", False):
         opts["observation_keys"] = obs_keys
         reading.why += ", compact_obs=True: observation-only rows"
