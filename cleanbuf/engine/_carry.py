@@ -22,7 +22,15 @@ import torch
 
 from cleanbuf.engine._continuity import LastRows, as_bytes
 from cleanbuf.engine._errors import InputError
-from cleanbuf.engine._kernels import MARKED, NEED_INIT, PENDING, SHIFT, WAITING
+from cleanbuf.engine._kernels import (
+    JOINT_MARK,
+    MARK,
+    MARKED,
+    NEED_INIT,
+    PENDING,
+    SHIFT,
+    WAITING,
+)
 
 STATE_VERSION = 2
 # The per-stream values: their row in Carry.per_stream, and their dtype in a state dict.
@@ -31,7 +39,7 @@ _PER_STREAM = {
     "waiting": (WAITING, np.bool_),
     "need_init": (NEED_INIT, np.bool_),
     "shift": (SHIFT, np.int64),
-    "marked": (MARKED, np.bool_),
+    "marked": (MARKED, np.int8),
 }
 
 
@@ -96,7 +104,8 @@ class Carry:
         """
         return not (
             len(self.held_stream)
-            or np.count_nonzero(self.per_stream)
+            or np.count_nonzero(self.per_stream[:MARKED])
+            or np.count_nonzero(self.per_stream[MARKED] & (MARK | JOINT_MARK))
             or np.count_nonzero(self.last.open)
         )
 

@@ -8,7 +8,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf.engine import _checks
 from cleanbuf.engine._carry import Carry
-from cleanbuf.engine._kernels import MARKED, WAITING
+from cleanbuf.engine._kernels import JOINT_MARK, MARK, MARKED, MARKS_SEEN, WAITING
 from cleanbuf.engine._keys import done_flags, observation_keys
 from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
@@ -37,11 +37,14 @@ def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
     done = done_flags(Views(rows, 1, n_held), options.done_key)
     in_done_row = terminal_obs_in_done_row(options, carry.layout_kind)
     missing = np.ones(n_held, np.bool_) if obs_only else ~np.full(n_held, in_done_row)
-    # A collector's batch-end mark still undecided: maybe no episode end at
-    # all, and maybe one whose terminal observation was zero-filled.
-    marked = carry.per_stream[MARKED][carry.held_stream] != 0
+    # A batch-end candidate still undecided. Where the producer showed that
+    # it marks batch ends (a mark of the stream turned out to be one), maybe
+    # no episode end at all: its next observation is missing. Else a real
+    # end, whose terminal observation was zero-filled: lost.
+    flags = carry.per_stream[MARKED][carry.held_stream]
+    marked = (flags & (MARK | JOINT_MARK)) != 0
     missing |= marked
-    done = done & ~marked
+    done = done & ~(marked & ((flags & MARKS_SEEN) != 0))
     n_terminal = int((missing & done).sum())
     n_next = int((missing & ~done).sum())
     policy = _checks.lost_policy(options, obs_keys, rows, n_terminal + n_next, False)
@@ -62,5 +65,6 @@ def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
     stats["terminal_obs_missing"] += n_terminal
     stats["next_obs_missing"] += n_next
     stats["lost_rows_dropped"] += n_held - len(keep)
+    stats["episodes_completed"] += int((marked & done).sum())  # taken for real ends
     stats["rows_held"] = 0
     return as_td(rows, len(keep))

@@ -58,6 +58,9 @@ SHIFT_BIT = 16  # subtract 1 from this row's step counts
 
 # The rows of the carry state (int64[5, S], see plan).
 PENDING, WAITING, NEED_INIT, SHIFT, MARKED = range(5)
+# The values of the carry's MARKED row: an undecided mark (its group done with
+# it or not), and a bit kept once a stream showed that its producer marks.
+MARK, JOINT_MARK, MARKS_SEEN = 1, 2, 4
 # What plan's released_src says of a held row, besides its source row.
 RELEASED_LOST = -2  # released with its next observation lost (a restart cut it off)
 RELEASED_AS_IS = -3  # released as stored (its end was only a collector's mark)
@@ -122,8 +125,10 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
             an auto-reset began (its ``is_init`` must be set); ``SHIFT``,
             the stream's current episode began with a dropped reset row (its
             step counts are one too high); ``MARKED``, the pending done row
-            is an undecided mark (2: its whole reset group was done with it,
-            so a real end is a joint reset, after which no reset row comes).
+            is an undecided mark (``MARK``, or ``JOINT_MARK``: its whole
+            reset group was done with it, so a real end is a joint reset,
+            after which no reset row comes), plus ``MARKS_SEEN`` once a mark
+            of the stream turned out to be only a mark.
         reset_rows: next-step mode: a reset row follows each non-joint done row.
         successor: observation-only data: each row's next observation is the
             next row's observation (or, with ``final``, a done row's final
@@ -185,10 +190,10 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
         s = i // steps if steps > 0 else stream[i]
         fresh = has_restart and restart[i]
         force = False  # a restart, whatever the row looks like
-        if marked[s]:
+        if marked[s] & (MARK | JOINT_MARK):
             # The stream's last row was a batch-end mark: this row decides.
-            was_joint = marked[s] == 2
-            marked[s] = 0
+            was_joint = (marked[s] & JOINT_MARK) != 0
+            marked[s] &= MARKS_SEEN
             real = fresh if has_restart else (has_cont and not seen[s] and cont[s] == 0)
             if real:
                 n_done += 1  # a real episode end; go on as after any done row
@@ -200,6 +205,7 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
                     force = was_joint
             else:
                 pending[s] = False  # only a mark: the row is complete as stored
+                marked[s] = MARKS_SEEN
                 if not successor:  # (observation-only rows take this row's obs below)
                     if open_row[s] >= 0:
                         code[open_row[s]] = (code[open_row[s]] & ~CODE_MASK) | EMIT
@@ -261,7 +267,8 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
         if done[i]:
             if has_mark and mark[i]:
                 # counted, and the shift ended, once decided
-                marked[s] = 2 if joint_marks.shape[0] and joint_marks[i] else 1
+                joint_mark = joint_marks.shape[0] and joint_marks[i]
+                marked[s] |= JOINT_MARK if joint_mark else MARK
             else:
                 n_done += 1
                 shift[s] = 0
