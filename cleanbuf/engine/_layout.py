@@ -110,30 +110,9 @@ def resolve(
         >>> lay.stream_of(np.arange(6)).tolist()
         [0, 0, 0, 1, 1, 1]
     """
-    ndim = len(batch_size)
     if declared is None:
-        if ndim == 0:
-            raise LayoutError(
-                "got a batch with batch_size=[] (a single row without a time or env "
-                f"dimension). Use rb.add(row) for one row of one stream, or {_OPTIONS}."
-            )
-        if ndim >= 2:
-            if names is not None and names[-1] not in (None, "time"):
-                raise LayoutError(
-                    f"a [*E, T] batch must have time last; got names={list(names)}. "
-                    "Permute the batch so that 'time' is the last dimension, or pass "
-                    f"{_OPTIONS}."
-                )
-            return _time_last(batch_size)
-        if (names is not None and names[0] == "time") or batch_size[0] == 1:
-            return _single_stream(int(batch_size[0]))
-        raise LayoutError(
-            f"cannot tell the streams apart in a 1-D batch of batch_size={list(batch_size)} "
-            f"and names={names}: it could be one step of {batch_size[0]} envs, one "
-            "env's trajectory, or a flattened collector batch (data.reshape(-1) mixes "
-            f"streams and cannot be cleaned). Pass {_OPTIONS}; a single stream can also "
-            "be named: data.refine_names('time')."
-        )
+        return _inferred(batch_size, names)
+    ndim = len(batch_size)
     if declared == "time_last":
         if ndim == 0:
             raise LayoutError(
@@ -151,8 +130,41 @@ def resolve(
             )
         n = int(batch_size[0])
         return CallLayout("step", (n,), n, NO_ROWS, 1)
-    # stream_key
-    if ndim != 1:
+    return _stream_key(batch_size, stream_ids, known_ids)
+
+
+def _inferred(batch_size: torch.Size, names: list | None) -> CallLayout:
+    """The layout of a batch whose layout was not declared, or an error naming the options."""
+    ndim = len(batch_size)
+    if ndim == 0:
+        raise LayoutError(
+            "got a batch with batch_size=[] (a single row without a time or env "
+            f"dimension). Use rb.add(row) for one row of one stream, or {_OPTIONS}."
+        )
+    if ndim >= 2:
+        if names is not None and names[-1] not in (None, "time"):
+            raise LayoutError(
+                f"a [*E, T] batch must have time last; got names={list(names)}. "
+                "Permute the batch so that 'time' is the last dimension, or pass "
+                f"{_OPTIONS}."
+            )
+        return _time_last(batch_size)
+    if (names is not None and names[0] == "time") or batch_size[0] == 1:
+        return _single_stream(int(batch_size[0]))
+    raise LayoutError(
+        f"cannot tell the streams apart in a 1-D batch of batch_size={list(batch_size)} "
+        f"and names={names}: it could be one step of {batch_size[0]} envs, one "
+        "env's trajectory, or a flattened collector batch (data.reshape(-1) mixes "
+        f"streams and cannot be cleaned). Pass {_OPTIONS}; a single stream can also "
+        "be named: data.refine_names('time')."
+    )
+
+
+def _stream_key(
+    batch_size: torch.Size, stream_ids: torch.Tensor, known_ids: np.ndarray | None
+) -> CallLayout:
+    """Flat rows with a stream id each: ids seen before keep their slot, new ones follow."""
+    if len(batch_size) != 1:
         raise LayoutError(
             f"layout='stream_key' expects flat rows, batch [N]; got batch_size="
             f"{list(batch_size)}. Flatten with data.reshape(-1) only if the stream key "

@@ -144,89 +144,20 @@ class Options:
             raise CleanbufError(f"unknown option(s) {unknown}; the options are {sorted(names)}.")
         mode = normalize_mode(mode)
         stream_key = _key(kwargs.pop("stream_key", None))
-        layout = kwargs.pop("layout", None)
-        if layout is None and stream_key is not None:
-            layout = "stream_key"
-        if layout is not None and layout not in LAYOUTS:
-            raise CleanbufError(
-                f"layout={layout!r} is not known. Pass None (infer: [*E, T] time-last "
-                "collector batches, or one stream for a 1-D batch named ['time']), "
-                "'step' (each call is one step of E envs, batch [E]), or "
-                "stream_key=KEY (flat rows with a per-row stream id)."
-            )
-        if layout == "stream_key" and stream_key is None:
-            raise CleanbufError(
-                "layout='stream_key' needs stream_key=KEY, the key holding each row's "
-                "stream (env) id."
-            )
-        if layout != "stream_key" and stream_key is not None:
-            raise CleanbufError(
-                f"stream_key={stream_key!r} only goes with layout='stream_key' (or no "
-                f"layout); got layout={layout!r}."
-            )
-        if stream_key is not None and stream_key[-1] == "traj_ids" and mode != "disabled":
-            raise CleanbufError(
-                f"stream_key={stream_key!r}: trajectory ids name episodes, not envs, and "
-                "TorchRL gives a next-step reset row the id of the next episode, so they "
-                "cannot tell which env a reset row came from (nothing would be cleaned). "
-                "Pass a key that holds each row's env index, or give the filter the "
-                "collector's [*E, T] batches as they come (no stream_key)."
-            )
+        layout = _layout(kwargs.pop("layout", None), stream_key, mode)
         policy = kwargs.get("on_lost_terminal_obs")
         if policy is not None and policy not in LOST_POLICIES:
             raise CleanbufError(
                 f"on_lost_terminal_obs={policy!r} is not known; pass one of {LOST_POLICIES}."
             )
         joint_key = _key(kwargs.pop("joint_key", None))
-        if joint_key is not None and layout != "stream_key":
-            raise CleanbufError(
-                f"joint_key={joint_key!r} goes with layout='stream_key'; with time-aligned "
-                "streams (layout None or 'step') pass joint_reset=True, and the joint "
-                "resets are read from the done flags of each step."
-            )
-        joint = bool(kwargs.get("joint_reset", False)) or joint_key is not None
-        kwargs["joint_reset"] = joint
-        group = kwargs.get("reset_group_size")
-        if group is not None and (not joint or joint_key is not None or int(group) < 1):
-            raise CleanbufError(
-                f"reset_group_size={group!r} needs joint_reset=True (not joint_key) and a "
-                "positive number of streams per reset group."
-            )
-        if joint and layout == "stream_key" and joint_key is None:
-            raise CleanbufError(
-                "joint_reset=True needs time-aligned streams (layout None or 'step'); "
-                "with layout='stream_key' the rows of one step cannot be told apart. "
-                "Extend the buffer with the collector's [*E, T] batches instead, or pass "
-                "joint_key=KEY, a key holding True on each done row whose whole reset "
-                "group was done on that step."
-            )
-        obs_keys = kwargs.pop("observation_keys", None)
-        if obs_keys is not None:
-            # A string or a tuple of strings is one (nested) key; anything else
-            # is a sequence of keys.
-            if isinstance(obs_keys, str) or (
-                isinstance(obs_keys, tuple) and all(isinstance(p, str) for p in obs_keys)
-            ):
-                obs_keys = [obs_keys]
-            obs_keys = tuple(_key(k) for k in obs_keys)
-        if joint and mode != "next_step":
-            raise CleanbufError(
-                f"joint_reset=True (or joint_key=) describes next-step data (TorchRL's "
-                f"joint reset); it does not go with mode={mode!r}."
-            )
+        kwargs["joint_reset"] = _joint(kwargs, joint_key, layout, mode)
         if kwargs.get("producer_key") is not None and layout not in (None, "time_last"):
             raise CleanbufError(
                 f"producer_key= tells apart producers of [*E, T] batches (a "
                 f"MultiAsyncCollector's workers); it does not go with layout={layout!r}."
             )
-        for name in (
-            "done_key",
-            "reward_key",
-            "is_init_key",
-            "step_count_key",
-            "final_obs_key",
-            "producer_key",
-        ):
+        for name in _KEY_OPTIONS:
             if name in kwargs:
                 kwargs[name] = _key(kwargs[name])
         return cls(
@@ -234,6 +165,91 @@ class Options:
             layout=layout,
             stream_key=stream_key,
             joint_key=joint_key,
-            observation_keys=obs_keys,
+            observation_keys=_observation_keys(kwargs.pop("observation_keys", None)),
             **kwargs,
         )
+
+
+_KEY_OPTIONS = (
+    "done_key",
+    "reward_key",
+    "is_init_key",
+    "step_count_key",
+    "final_obs_key",
+    "producer_key",
+)
+
+
+def _layout(layout: str | None, stream_key: tuple | None, mode: str) -> str | None:
+    """The declared layout, checked against ``stream_key``."""
+    if layout is None and stream_key is not None:
+        layout = "stream_key"
+    if layout is not None and layout not in LAYOUTS:
+        raise CleanbufError(
+            f"layout={layout!r} is not known. Pass None (infer: [*E, T] time-last "
+            "collector batches, or one stream for a 1-D batch named ['time']), "
+            "'step' (each call is one step of E envs, batch [E]), or "
+            "stream_key=KEY (flat rows with a per-row stream id)."
+        )
+    if layout == "stream_key" and stream_key is None:
+        raise CleanbufError(
+            "layout='stream_key' needs stream_key=KEY, the key holding each row's stream (env) id."
+        )
+    if layout != "stream_key" and stream_key is not None:
+        raise CleanbufError(
+            f"stream_key={stream_key!r} only goes with layout='stream_key' (or no "
+            f"layout); got layout={layout!r}."
+        )
+    if stream_key is not None and stream_key[-1] == "traj_ids" and mode != "disabled":
+        raise CleanbufError(
+            f"stream_key={stream_key!r}: trajectory ids name episodes, not envs, and "
+            "TorchRL gives a next-step reset row the id of the next episode, so they "
+            "cannot tell which env a reset row came from (nothing would be cleaned). "
+            "Pass a key that holds each row's env index, or give the filter the "
+            "collector's [*E, T] batches as they come (no stream_key)."
+        )
+    return layout
+
+
+def _joint(kwargs: dict, joint_key: tuple | None, layout: str | None, mode: str) -> bool:
+    """Whether the data has joint resets, checked against the other options."""
+    if joint_key is not None and layout != "stream_key":
+        raise CleanbufError(
+            f"joint_key={joint_key!r} goes with layout='stream_key'; with time-aligned "
+            "streams (layout None or 'step') pass joint_reset=True, and the joint "
+            "resets are read from the done flags of each step."
+        )
+    joint = bool(kwargs.get("joint_reset", False)) or joint_key is not None
+    group = kwargs.get("reset_group_size")
+    if group is not None and (not joint or joint_key is not None or int(group) < 1):
+        raise CleanbufError(
+            f"reset_group_size={group!r} needs joint_reset=True (not joint_key) and a "
+            "positive number of streams per reset group."
+        )
+    if joint and layout == "stream_key" and joint_key is None:
+        raise CleanbufError(
+            "joint_reset=True needs time-aligned streams (layout None or 'step'); "
+            "with layout='stream_key' the rows of one step cannot be told apart. "
+            "Extend the buffer with the collector's [*E, T] batches instead, or pass "
+            "joint_key=KEY, a key holding True on each done row whose whole reset "
+            "group was done on that step."
+        )
+    if joint and mode != "next_step":
+        raise CleanbufError(
+            f"joint_reset=True (or joint_key=) describes next-step data (TorchRL's "
+            f"joint reset); it does not go with mode={mode!r}."
+        )
+    return joint
+
+
+def _observation_keys(obs_keys) -> tuple | None:
+    """The declared observation keys as a tuple of tuple keys."""
+    if obs_keys is None:
+        return None
+    # A string or a tuple of strings is one (nested) key; anything else is a
+    # sequence of keys.
+    if isinstance(obs_keys, str) or (
+        isinstance(obs_keys, tuple) and all(isinstance(p, str) for p in obs_keys)
+    ):
+        obs_keys = [obs_keys]
+    return tuple(_key(k) for k in obs_keys)
