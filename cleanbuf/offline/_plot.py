@@ -17,9 +17,16 @@ import numpy as np
 KINDS = (
     "reset rows",
     "terminal obs zeros",
-    "terminal obs = next reset",
+    "terminal obs = next first",
     "terminal obs restored",
     "terminal obs NaN (lost)",
+)
+_LABELS = (  # KINDS, on two lines
+    "reset\nrows",
+    "terminal obs\nzeros",
+    "terminal obs =\nnext first obs",
+    "terminal obs\nrestored",
+    "terminal obs\nNaN (lost)",
 )
 
 
@@ -78,8 +85,8 @@ def _bars(ax, by_view: dict) -> None:
     for i, (view, values) in enumerate(by_view.items()):
         bars = ax.bar(x + (i - 0.5) * width, values, width, label=view, color=colors[view])
         ax.bar_label(bars, padding=2, fontsize=8)
-    ax.set_xticks(x, [k.replace(" ", "\n", 2) for k in KINDS], fontsize=8)
+    ax.set_xticks(x, _LABELS, fontsize=8)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.margins(y=0.15)
+    ax.margins(y=0.3)
     ax.set(ylabel="rows", title="artifacts as stored and once cleaned")
-    ax.legend()
+    ax.legend(loc="upper center", ncols=2)
