@@ -20,7 +20,7 @@ from torchrl.data import LazyMemmapStorage, ReplayBuffer
 
 import cleanbuf
 from cleanbuf import InputError
-from cleanbuf.offline import audit
+from cleanbuf.offline import audit, clean_dataset
 from cleanbuf.offline.cli import main
 from tests.test_offline import T, _assert_streams, _collect, _digest, _filtered
 
@@ -46,7 +46,8 @@ def test_cleaned_dump_audits_clean_without_hedging(collected, tmp_path, capsys):
     """Bug caught: ``cleanbuf audit`` of what ``cleanbuf clean`` just wrote could
     not recover its envs (the reset rows are gone, so the rows no longer fall
     into runs of T steps) and said "streams not recovered" and "low
-    confidence", or read the rows of four envs as one stream. Also caught: an
+    confidence", or read the rows of four envs as one stream, and refused to
+    clean them again ("cannot tell which env each row came from"). Also caught: an
     env index stored wrong (the audit would then find artifacts), and a stale
     index trusted after another ``rb.dumps`` into the directory.
     """
@@ -60,6 +61,9 @@ def test_cleaned_dump_audits_clean_without_hedging(collected, tmp_path, capsys):
         assert report.clean and report.confidence == "high" and report.env_stored
         assert (report.envs, report.episodes) == (4, stats["episodes_completed"])
         assert report.is_init_wrong == report.step_count_wrong == 0
+        again = clean_dataset(dst, None).stats  # cleaning it again changes nothing
+        assert again["rows_out"] == again["rows_in"] == stats["rows_out"]
+        assert again["reset_rows_dropped"] == again["next_obs_restitched"] == 0
     # The same directory rewritten by TorchRL with other rows: the stored
     # index no longer describes them and is ignored.
     rb = ReplayBuffer(storage=LazyMemmapStorage(10_000))

@@ -359,33 +359,17 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
             f"{ds.path}: an audit needs ('next', 'done') (or 'terminated') and "
             f"('next', 'reward'); the keys are {sorted(data.keys(True, True), key=str)}."
         )
-    key = observation_key(data)
     n = ds.n_rows
     every = np.arange(n)
     done = ds.column(done_key, every).reshape(n, -1).any(1)
     reward = ds.column(("next", "reward"), every).reshape(n, -1)[:, 0]
-    leaf = data.get(key)
-    row_bytes = leaf[0].numel() * leaf.element_size() if ds.chunk == 1 else leaf[0, 0].nbytes
-    rows = Rows(
-        n,
-        done,
-        lambda p: ds.column(key, p),
-        lambda p: ds.column(("next", *key), p),
-        block=max(64, BLOCK_BYTES // max(row_bytes, 1)),
-    )
+    rows = _rows(ds, observation_key(data), done)
     env = env_if_fresh(ds.env, ds.mark, done)
     streams = recover(rows, ds.chunk, ds.wrapped) if env is None else stored(env)
     totals: dict[str, int] = {}
     first_of_episode = np.zeros(n, np.bool_)  # the rows after a done row
     details: list = []
-    keys = set(_tuple(k) for k in data.keys(True, True))
-    book = {
-        name: ds.column((name,), every).reshape(n, -1)[:, 0]
-        for name in ("is_init", "step_count")
-        if (name,) in keys
-    }
-    if "is_init" in book:
-        book["is_init"] = book["is_init"].astype(bool)
+    book = _book(ds)
     per_env = stream_positions(streams, n)
     for positions in per_env:
         first_of_episode[positions[1:][done[positions[:-1]]]] = True
@@ -423,6 +407,33 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
     )
     report.details = [(positions, *detail) for positions, detail in zip(per_env, details)]
     return report, streams
+
+
+def _rows(ds: Dataset, key: tuple, done: np.ndarray) -> Rows:
+    """The observations of ``key`` and their next ones, read a block at a time."""
+    leaf = ds.data.get(key)
+    row_bytes = leaf[0].numel() * leaf.element_size() if ds.chunk == 1 else leaf[0, 0].nbytes
+    return Rows(
+        ds.n_rows,
+        done,
+        lambda p: ds.column(key, p),
+        lambda p: ds.column(("next", *key), p),
+        block=max(64, BLOCK_BYTES // max(row_bytes, 1)),
+    )
+
+
+def _book(ds: Dataset) -> dict:
+    """The ``is_init`` and ``step_count`` columns present, one value a row."""
+    n, every = ds.n_rows, np.arange(ds.n_rows)
+    keys = set(_tuple(k) for k in ds.data.keys(True, True))
+    book = {
+        name: ds.column((name,), every).reshape(n, -1)[:, 0]
+        for name in ("is_init", "step_count")
+        if (name,) in keys
+    }
+    if "is_init" in book:
+        book["is_init"] = book["is_init"].astype(bool)
+    return book
 
 
 def _verdict(t: dict) -> tuple[str, bool, str, str]:

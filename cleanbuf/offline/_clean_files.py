@@ -129,16 +129,7 @@ def clean_dataset(
     ds = src if isinstance(src, Dataset) else read(src)
     if dst is not None:
         _check_apart(ds.path, dst)
-    report, streams = analyse(ds)
-    if not streams.found:
-        raise InputError(
-            f"{src}: cannot tell which env each row came from (the rows do not chain into "
-            "runs of a fixed length in a fixed env order, as a collector or a vector-env "
-            "loop writes them), so they cannot be cleaned per env. Data cleaned by another "
-            "tool reads like this (cleanbuf clean stores each row's env with its output). "
-            "Clean such rows with cleanbuf.clean(data, stream_key=KEY) and a key holding "
-            "each row's env index."
-        )
+    report, streams = _layout(ds)
     opts = {**report.options(), **options}
     writer = Collect()
     if dst is not None:
@@ -157,6 +148,21 @@ def clean_dataset(
     if dst is None:
         return Cleaned(stats, report, writer.rows)
     return Cleaned(stats, report, capacity=writer.capacity)
+
+
+def _layout(ds: Dataset) -> tuple[Report, Any]:
+    """The audit and the env layout; an error when the envs cannot be told apart."""
+    report, streams = analyse(ds)
+    if not streams.found:
+        raise InputError(
+            f"{ds.path}: cannot tell which env each row came from (the rows do not chain "
+            "into runs of a fixed length in a fixed env order, as a collector or a "
+            "vector-env loop writes them), so they cannot be cleaned per env. Data cleaned "
+            "by another tool reads like this (cleanbuf clean stores each row's env with its "
+            "output). Clean such rows with cleanbuf.clean(data, stream_key=KEY) and a key "
+            "holding each row's env index."
+        )
+    return report, streams
 
 
 def _capacity(ds: Dataset, report: Report, say: Callable[[str], None] | None) -> int:
