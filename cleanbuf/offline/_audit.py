@@ -1,8 +1,9 @@
 """``cleanbuf.audit``: what auto-reset artifacts stored transitions hold.
 
 The audit reads the rows in write order, recovers which env each came
-from (:mod:`cleanbuf.offline._streams`), and then looks at every episode
-end of every env: the done row and the row after it.
+from (:mod:`cleanbuf.offline._streams`; data written by ``cleanbuf clean``
+stores it, :mod:`cleanbuf.offline._marker`), and then looks at every
+episode end of every env: the done row and the row after it.
 
 * **next-step** data: the row after a done row is a *reset row*, from the
   terminal state to the next episode's first state, with reward 0 and not
