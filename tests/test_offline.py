@@ -150,7 +150,7 @@ def test_collector_chunks(storage, tmp_path):
     assert report.is_init_wrong == report.step_count_wrong == report.reset_rows
     assert not report.clean and report.confidence == "high"
     done = clean_dataset(src, str(tmp_path / "dst"))
-    out = ReplayBuffer(storage=storage(1000 * T))
+    out = ReplayBuffer(storage=storage(1000))  # built as SRC's: the cleaned rows fit
     out.loads(str(tmp_path / "dst"))
     _assert_streams(out[: len(out)], want)
     assert {k: done.stats[k] for k in stats} == stats
@@ -196,16 +196,23 @@ def test_flat_rows_and_npz_and_memmap(tmp_path):
     out = ReplayBuffer(storage=LazyTensorStorage(10_000))
     out.loads(str(tmp_path / "dst"))
     _assert_streams(out[: len(out)], want)
-    arrays = np.load(str(tmp_path / "dst.npz"))
+    arrays = dict(np.load(str(tmp_path / "dst.npz")))
+    # Each row's env index, which cleanbuf clean stores for the audit, is the
+    # env the rows came from (the policy wrote it as env_id).
+    np.testing.assert_array_equal(arrays.pop("_cleanbuf/env"), arrays[STREAM])
     from_npz = TensorDict(
-        {tuple(k.split("/")): torch.from_numpy(arrays[k]) for k in arrays.files},
+        {tuple(k.split("/")): torch.from_numpy(v) for k, v in arrays.items()},
         batch_size=[len(arrays["done"])],
     )
     _assert_streams(from_npz, want)
     _assert_streams(TensorDict.load_memmap(str(tmp_path / "dst_memmap")), want)
     with h5py.File(str(tmp_path / "dst.h5"), "r") as f:
         from_h5 = {tuple(k.split("/")): torch.from_numpy(f[k][()]) for k in _datasets(f)}
+    np.testing.assert_array_equal(from_h5.pop(("_cleanbuf", "env")), from_h5[(STREAM,)])
     _assert_streams(TensorDict(from_h5, batch_size=[len(from_npz)]), want)
+    for dst in ("dst", "dst.npz", "dst_memmap", "dst.h5"):
+        report = audit(str(tmp_path / dst))
+        assert report.clean and report.env_stored and report.envs == E, dst
 
 
 @pytest.mark.parametrize("chunks", [True, False], ids=["chunks", "flat rows"])

@@ -1,8 +1,9 @@
 """``cleanbuf.audit``: what auto-reset artifacts stored transitions hold.
 
 The audit reads the rows in write order, recovers which env each came
-from (:mod:`cleanbuf.offline._streams`), and then looks at every episode
-end of every env: the done row and the row after it.
+from (:mod:`cleanbuf.offline._streams`; data written by ``cleanbuf clean``
+stores it, :mod:`cleanbuf.offline._marker`), and then looks at every
+episode end of every env: the done row and the row after it.
 
 * **next-step** data: the row after a done row is a *reset row*, from the
   terminal state to the next episode's first state, with reward 0 and not
@@ -29,9 +30,10 @@ import numpy as np
 
 from cleanbuf.engine._errors import InputError
 from cleanbuf.offline._formats import Dataset, from_buffer, read
-from cleanbuf.offline._streams import Rows, Streams, recover, same_per_row
+from cleanbuf.offline._marker import DONE_KEYS, env_if_fresh
+from cleanbuf.offline._streams import Rows, Streams, recover, same_per_row, stored
 
-_DONE_KEYS = (("next", "done"), ("next", "terminated"))
+IN_MEMORY = "torchrl buffer in memory"  # the format of a buffer audited in memory
 BLOCK_BYTES = 2 << 20  # observations read at a time when scanning every row
 _NOT_OBS = {"done", "terminated", "truncated", "reward", "is_init", "step_count", "traj_ids"}
 
@@ -62,10 +64,14 @@ class Report:
     """What :func:`audit` found.
 
     Attributes:
-        source: the path audited; format: its format.
+        source: the path audited, or for a buffer in memory its name
+            (``"ReplayBuffer(LazyTensorStorage(1000))"``); format: its format.
         rows: valid rows; envs, steps: the recovered layout (E envs, T steps
             per env per write); head: rows of a partly overwritten batch.
         wrapped: the buffer wrapped around.
+        env_stored: each row's env was read from the data (``cleanbuf
+            clean`` stores it with its output), not recovered; ``steps`` is
+            then 0.
         layout_found: the env layout was recovered (else the rows were read
             as one stream).
         mode: the producer's auto-reset mode as the data shows it
@@ -82,6 +88,8 @@ class Report:
         is_init_wrong, step_count_wrong: episodes whose first row (after
             the reset row, if any) lacks ``is_init`` or has a step count
             other than 0; None when the rows have no such key.
+        in_memory: the source is a TorchRL buffer or storage in memory (the
+            fix is then a Python call, not a command).
     """
 
     source: str
@@ -104,6 +112,8 @@ class Report:
     recoverable: int
     is_init_wrong: int | None = None
     step_count_wrong: int | None = None
+    in_memory: bool = False
+    env_stored: bool = False
     details: list = dataclasses.field(default_factory=list, repr=False)
 
     @property
@@ -139,7 +149,14 @@ class Report:
         return opts
 
     def command(self, dst: str = "CLEANED") -> str:
-        """The ``cleanbuf clean`` command that fixes the data."""
+        """The ``cleanbuf clean`` command that fixes the data.
+
+        For a buffer in memory, the Python call that returns its cleaned
+        rows (``rb`` stands for the buffer audited).
+        """
+        if self.in_memory:
+            joint = ", joint_reset=True" if self.joint_reset else ""
+            return f'rows = cleanbuf.clean(rb, mode="{self.mode}"{joint})'
         flags = f" --mode {self.mode}" + (" --joint-reset" if self.joint_reset else "")
         return f"cleanbuf clean {self.source} {dst}{flags}"
 
@@ -157,7 +174,9 @@ class Report:
             f"cleanbuf audit: {self.source} ({self.format})",
             f"  rows              {self.rows}"
             + (f" (wrapped; {self.head} from a partly overwritten write)" if self.wrapped else ""),
-            f"  streams           {self.envs} envs, {self.steps} steps per env per write"
+            f"  streams           {self.envs} envs (each row's env stored by cleanbuf clean)"
+            if self.env_stored
+            else f"  streams           {self.envs} envs, {self.steps} steps per env per write"
             if self.layout_found
             else "  streams           not recovered (rows of several envs in no order found); "
             "read as one stream",
@@ -181,10 +200,17 @@ class Report:
                 lines.append(f"  ({self.next_obs_nan} terminal observations marked lost: NaN)")
         else:
             lines.append(f"  fix: {self.command()}")
+            if self.in_memory:
+                lines.append(f"  (rb: this {self.source}; rows: its rows cleaned, flat)")
             if self.lost:
+                drop = (
+                    'on_lost_terminal_obs="drop"'
+                    if self.in_memory
+                    else "--on-lost-terminal-obs drop"
+                )
                 lines.append(
                     f"  ({self.lost} terminal observations cannot be restored: the fix marks "
-                    "them NaN; add --on-lost-terminal-obs drop to store no such row)"
+                    f"them NaN; add {drop} to store no such row)"
                 )
         return "\n".join(lines)
 
@@ -193,35 +219,18 @@ class Report:
         return json.dumps(self.to_dict(), indent=1)
 
     def plot(self, path: str) -> None:
-        """Draws the artifacts and the episode lengths into an image file.
+        """Draws the artifacts, and what cleaning changes, into an image file.
 
         Left: per env, where the reset rows and the lost terminal
-        observations are (write order). Right: the episode lengths as stored
-        and once cleaned (a reset row makes its episode one row longer).
-        Needs matplotlib.
+        observations are (write order). Right: the rows of each kind of
+        artifact as stored and once cleaned (see
+        :mod:`cleanbuf.offline._plot`). Needs matplotlib.
         """
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
-        before, after = [], []
-        for env, (positions, done_rows, reset, lost) in enumerate(self.details):
-            left.scatter(done_rows[reset], np.full(reset.sum(), env), s=8, c="tab:red")
-            left.scatter(done_rows[lost], np.full(lost.sum(), env), s=8, c="tab:gray")
-            at = np.searchsorted(positions, done_rows)  # episode ends, in the env's time
-            lengths = np.diff(at)  # whole episodes only: the first may be partial
-            before.extend(lengths.tolist())
-            after.extend((lengths - reset[:-1][: len(lengths)]).tolist())
-        left.set(xlabel="row (write order)", ylabel="env", title="reset rows (red), lost (gray)")
-        bins = np.arange(0, max(before + [1]) + 2) - 0.5
-        right.hist(before, bins=bins, alpha=0.5, label="as stored")
-        right.hist(after, bins=bins, alpha=0.5, label="cleaned")
-        right.set(xlabel="episode length (rows)", ylabel="episodes", title="episode lengths")
-        right.legend()
-        fig.suptitle(f"cleanbuf audit: {self.source}")
-        fig.tight_layout()
+        from cleanbuf.offline._plot import figure
+
+        fig = figure(self)
         fig.savefig(path, dpi=90)
         plt.close(fig)
 
@@ -234,6 +243,8 @@ def stream_positions(streams: Streams, n: int) -> list[np.ndarray]:
         >>> [p.tolist() for p in stream_positions(s, 9)]
         [[1, 2, 5, 6], [0, 3, 4, 7, 8]]
     """
+    if streams.env is not None:  # stored with the rows
+        return [np.flatnonzero(streams.env == env) for env in range(streams.envs)]
     parts: list[list[np.ndarray]] = [[] for _ in range(streams.envs)]
     for env, start, stop in streams.head_runs:
         parts[env % streams.envs].append(np.arange(start, stop))
@@ -303,8 +314,9 @@ def audit(source: Any) -> Report:
     Args:
         source: a path (a TorchRL ``rb.dumps`` directory, a TensorDict memmap
             directory or a ``.npz`` file), a TorchRL ``ReplayBuffer`` or
-            storage (dumped to a temporary directory first), or a
-            :class:`Dataset`.
+            storage (dumped to a temporary directory first; the report
+            names the buffer, and its fix is the ``cleanbuf.clean`` call),
+            or a :class:`Dataset`.
 
     Returns:
         The report: ``print(report)``, ``report.to_dict()``, ``report.clean``.
@@ -318,44 +330,47 @@ def audit(source: Any) -> Report:
     if isinstance(source, (str, os.PathLike)):
         return analyse(read(os.fspath(source)))[0]
     with tempfile.TemporaryDirectory(prefix="cleanbuf-") as tmp:
-        return analyse(from_buffer(source, os.path.join(tmp, "dump")))[0]
+        report = analyse(from_buffer(source, os.path.join(tmp, "dump")))[0]
+    # The dump was a means: the report names the buffer, and its fix is a call.
+    return dataclasses.replace(report, source=buffer_name(source), format=IN_MEMORY, in_memory=True)
+
+
+def buffer_name(source: Any) -> str:
+    """A TorchRL buffer or storage as its class and its storage's size.
+
+    Examples:
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> buffer_name(ReplayBuffer(storage=LazyTensorStorage(1000)))
+        'ReplayBuffer(LazyTensorStorage(1000))'
+        >>> buffer_name(LazyTensorStorage(10))
+        'LazyTensorStorage(10)'
+    """
+    storage = getattr(source, "storage", None)
+    if storage is None:
+        return f"{type(source).__name__}({getattr(source, 'max_size', '')})"
+    return f"{type(source).__name__}({buffer_name(storage)})"
 
 
 def analyse(ds: Dataset) -> tuple[Report, Streams]:
     """:func:`audit`, and the recovered layout (for cleaning)."""
     data = ds.data
-    done_key = next((k for k in _DONE_KEYS if k in data.keys(True, True)), None)
+    done_key = next((k for k in DONE_KEYS if k in data.keys(True, True)), None)
     if done_key is None or ("next", "reward") not in data.keys(True, True):
         raise InputError(
             f"{ds.path}: an audit needs ('next', 'done') (or 'terminated') and "
             f"('next', 'reward'); the keys are {sorted(data.keys(True, True), key=str)}."
         )
-    key = observation_key(data)
     n = ds.n_rows
     every = np.arange(n)
     done = ds.column(done_key, every).reshape(n, -1).any(1)
     reward = ds.column(("next", "reward"), every).reshape(n, -1)[:, 0]
-    leaf = data.get(key)
-    row_bytes = leaf[0].numel() * leaf.element_size() if ds.chunk == 1 else leaf[0, 0].nbytes
-    rows = Rows(
-        n,
-        done,
-        lambda p: ds.column(key, p),
-        lambda p: ds.column(("next", *key), p),
-        block=max(64, BLOCK_BYTES // max(row_bytes, 1)),
-    )
-    streams = recover(rows, ds.chunk, ds.wrapped)
+    rows = _rows(ds, observation_key(data), done)
+    env = env_if_fresh(ds.env, ds.mark, done)
+    streams = recover(rows, ds.chunk, ds.wrapped) if env is None else stored(env)
     totals: dict[str, int] = {}
     first_of_episode = np.zeros(n, np.bool_)  # the rows after a done row
     details: list = []
-    keys = set(_tuple(k) for k in data.keys(True, True))
-    book = {
-        name: ds.column((name,), every).reshape(n, -1)[:, 0]
-        for name in ("is_init", "step_count")
-        if (name,) in keys
-    }
-    if "is_init" in book:
-        book["is_init"] = book["is_init"].astype(bool)
+    book = _book(ds)
     per_env = stream_positions(streams, n)
     for positions in per_env:
         first_of_episode[positions[1:][done[positions[:-1]]]] = True
@@ -372,10 +387,11 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
         format=ds.format,
         rows=n,
         envs=streams.envs,
-        steps=streams.steps,
+        steps=0 if env is not None else streams.steps,
         head=streams.head,
         wrapped=ds.wrapped,
         layout_found=streams.found,
+        env_stored=env is not None,
         mode=mode,
         joint_reset=joint,
         confidence=confidence,
@@ -392,6 +408,33 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
     )
     report.details = [(positions, *detail) for positions, detail in zip(per_env, details)]
     return report, streams
+
+
+def _rows(ds: Dataset, key: tuple, done: np.ndarray) -> Rows:
+    """The observations of ``key`` and their next ones, read a block at a time."""
+    leaf = ds.data.get(key)
+    row_bytes = leaf[0].numel() * leaf.element_size() if ds.chunk == 1 else leaf[0, 0].nbytes
+    return Rows(
+        ds.n_rows,
+        done,
+        lambda p: ds.column(key, p),
+        lambda p: ds.column(("next", *key), p),
+        block=max(64, BLOCK_BYTES // max(row_bytes, 1)),
+    )
+
+
+def _book(ds: Dataset) -> dict:
+    """The ``is_init`` and ``step_count`` columns present, one value a row."""
+    n, every = ds.n_rows, np.arange(ds.n_rows)
+    keys = set(_tuple(k) for k in ds.data.keys(True, True))
+    book = {
+        name: ds.column((name,), every).reshape(n, -1)[:, 0]
+        for name in ("is_init", "step_count")
+        if (name,) in keys
+    }
+    if "is_init" in book:
+        book["is_init"] = book["is_init"].astype(bool)
+    return book
 
 
 def _verdict(t: dict) -> tuple[str, bool, str, str]:

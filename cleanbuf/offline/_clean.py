@@ -17,10 +17,25 @@ from cleanbuf.engine._keys import DONE_KEYS
 from cleanbuf.engine._options import Options
 
 
+def _parts(key: Any) -> tuple:
+    """A dict key as a TensorDict key path; ``"next/done"`` is ``("next", "done")``.
+
+    The ``.npz`` format names nested keys so (see :mod:`cleanbuf.offline._formats`).
+
+    Examples:
+        >>> _parts("next/done"), _parts(("next", "done")), _parts("observation")
+        (('next', 'done'), ('next', 'done'), ('observation',))
+    """
+    parts = key if isinstance(key, tuple) else (key,)
+    return tuple(
+        p for part in parts for p in (part.split("/") if isinstance(part, str) else [part])
+    )
+
+
 def _flatten(data: Mapping, prefix: tuple = ()) -> dict:
     out = {}
     for k, v in data.items():
-        key = prefix + (k if isinstance(k, tuple) else (k,))
+        key = prefix + _parts(k)
         if isinstance(v, Mapping):
             out.update(_flatten(v, key))
         else:
@@ -52,8 +67,9 @@ def _to_td(data: Mapping, batch_dims: int | None) -> tuple[TensorDictBase, bool]
     if batch_dims is None:
         if done is None:
             raise InputError(
-                "cannot infer the batch dimensions of a dict without a done key "
-                f"({', '.join(map(str, DONE_KEYS))}); pass batch_dims=."
+                "cannot infer the batch dimensions of a dict without a done key: expected "
+                f"one of {', '.join(map(str, DONE_KEYS))} (or 'next/done' as in .npz files), "
+                f"found keys {sorted(tensors, key=str)}. Add the done flags or pass batch_dims=."
             )
         batch_dims = done.dim() - 1 if done.dim() > 1 and done.shape[-1] == 1 else done.dim()
     shapes = {k: tuple(v.shape[:batch_dims]) for k, v in tensors.items()}
@@ -70,10 +86,20 @@ def _to_td(data: Mapping, batch_dims: int | None) -> tuple[TensorDictBase, bool]
     return td, bool(is_numpy and is_numpy[0])
 
 
-def _to_dict(td: TensorDictBase, as_numpy: bool) -> dict:
+def _slash_named(data: Mapping) -> bool:
+    """The dict names nested keys as ``.npz`` files do (``"next/done"``), not nested."""
+    return any(isinstance(k, str) and "/" in k for k in data) and not any(
+        isinstance(v, Mapping) for v in data.values()
+    )
+
+
+def _to_dict(td: TensorDictBase, as_numpy: bool, slash_named: bool = False) -> dict:
     out: dict = {}
     for k, v in td.items(include_nested=True, leaves_only=True):
         k = k if isinstance(k, tuple) else (k,)
+        if slash_named:
+            out["/".join(k)] = v.numpy() if as_numpy else v
+            continue
         node = out
         for part in k[:-1]:
             node = node.setdefault(part, {})
@@ -95,7 +121,9 @@ def clean(
         data: a TensorDict, or a (nested) dict of numpy arrays or torch
             tensors with keys like ``"observation"`` and
             ``{"next": {"observation", "reward", "done"}}`` (tuple keys such
-            as ``("next", "done")`` work too); or stored data whose layout
+            as ``("next", "done")`` work too, and so do names as in the
+            ``.npz`` format, ``"next/done"``, which the result keeps); or
+            stored data whose layout
             is recovered as ``cleanbuf audit`` does: a TorchRL
             ``ReplayBuffer`` or storage filled without the filter (by a
             collector or ``rb.extend``), or a path (an ``rb.dumps``
@@ -146,7 +174,7 @@ def clean(
     rest = cleaner.flush()
     if rest.batch_size[0]:
         out = torch.cat([out, rest])
-    out = _to_dict(out, as_numpy) if as_dict else out
+    out = _to_dict(out, as_numpy, _slash_named(data)) if as_dict else out
     return (out, cleaner.stats) if return_stats else out
 
 

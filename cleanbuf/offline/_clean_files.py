@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._pool import BufferPool
 from cleanbuf.offline._audit import Report, analyse, stream_positions
-from cleanbuf.offline._formats import Collect, Dataset, Writer, read
+from cleanbuf.offline._formats import DUMP, Collect, Dataset, Writer, read
 from cleanbuf.offline._joint import joint_rows
 
 ENV_KEY = "_cleanbuf_env"  # each row's env, as the audit recovered it
@@ -72,11 +73,14 @@ class Cleaned:
             ``rows_in`` and ``rows_out``).
         report: the audit of the source.
         rows: the cleaned rows when no destination was given, else None.
+        capacity: for a dump, the rows its storage holds: ``rb.loads(DST)``
+            needs a buffer of exactly this size (SRC's, when the rows fit).
     """
 
     stats: dict
     report: Report
     rows: TensorDictBase | None = None
+    capacity: int | None = None
 
 
 def _progress(total: int, enabled: bool):
@@ -95,6 +99,7 @@ def clean_dataset(
     *,
     force: bool = False,
     progress: bool = False,
+    say: Callable[[str], None] | None = None,
     **options: Any,
 ) -> Cleaned:
     """Cleans the dataset at ``src`` into a new one at ``dst``, same format.
@@ -106,6 +111,9 @@ def clean_dataset(
             ``force``); None keeps the cleaned rows in memory.
         force: replace an existing ``dst``.
         progress: show a progress bar on stderr (needs ``tqdm``).
+        say: where a note goes before anything is written (the command line
+            prints it on stderr): when a dump's cleaned rows will not fit a
+            buffer built as SRC's, the storage to build to load DST.
         **options: :class:`cleanbuf.AutoresetFilter` options; by default those
             the audit found (``report.options()``).
 
@@ -113,84 +121,166 @@ def clean_dataset(
         The stats, the audit of ``src``, and the rows if ``dst`` is None.
 
     Raises:
-        InputError: unreadable ``src``, ``dst`` exists, ``dst`` is ``src``.
+        InputError: unreadable ``src``, ``dst`` exists, ``dst`` is ``src``,
+            lies inside it or holds it; checked before anything is written.
         CleanbufError: the data does not fit the options. Nothing is left at
             ``dst``.
     """
     ds = src if isinstance(src, Dataset) else read(src)
-    if dst is not None and os.path.abspath(ds.path) == os.path.abspath(dst):
-        raise InputError(f"SRC and DST are the same path ({dst}); cleanbuf never modifies SRC.")
-    report, streams = analyse(ds)
-    if not streams.found:
-        raise InputError(
-            f"{src}: cannot tell which env each row came from (the rows do not chain into "
-            "runs of a fixed length in a fixed env order, as a collector or a vector-env "
-            "loop writes them), so they cannot be cleaned per env. Already cleaned data "
-            "reads like this. Clean such rows with cleanbuf.clean(data, stream_key=KEY) "
-            "and a key holding each row's env index."
-        )
+    if dst is not None:
+        _check_apart(ds.path, dst)
+    report, streams = _layout(ds)
     opts = {**report.options(), **options}
-    joint = opts.pop("joint_reset", False)
-    n = report.rows
-    # The source's capacity in rows: rb.loads reads the cleaned dump into a
-    # buffer of rows built with it.
-    capacity = max(ds.capacity * ds.chunk, n)
-    writer = Collect() if dst is None else Writer(ds.format, dst, capacity, force=force)
-    pool = OutputPool(writer) if isinstance(writer, Writer) else None
-    bar = _progress(n, progress)
-    stats = dict.fromkeys((*STAT_NAMES, "orphan_reset_rows", "rows_not_cleaned"), 0)
+    writer = Collect()
+    if dst is not None:
+        capacity = _capacity(ds, report, say)
+        writer = Writer(ds.format, dst, capacity, force=force, fit=ds.capacity)
+    bar = _progress(report.rows, progress)
     try:
-        positions = stream_positions(streams, n)
-        env_of = np.empty(n, np.int64)
-        for env, pos in enumerate(positions):
-            env_of[pos] = env
-        columns = {ENV_KEY: env_of}
-        key_opts = {"joint_key": JOINT_KEY} if joint else {}
-        cleaner = Cleaner(Options.build(**opts, stream_key=ENV_KEY, **key_opts), pool)
-        lo, hi = 0, n  # the rows cleaned; the others are stored as they were
-        if joint:
-            flags = _joint_flags(ds, cleaner.options, streams, positions)
-            columns[JOINT_KEY], undecided = flags
-            if undecided.any() and report.confidence != "high":
-                # A step of a partial write whose rows are all done: joint or not
-                # shows only in the reward signature, which the audit doubts.
-                lo, hi = streams.head, n - streams.tail
-        if ds.wrapped and (lo, hi) == (0, n):
-            orphans = _orphans(ds, report, positions)
-            cleaner.expect_reset_rows(env_of[orphans])
-            stats["orphan_reset_rows"] = len(orphans)
-        size = streams.steps * streams.envs
-        size *= max(1, PIECE_BYTES // max(size * _row_bytes(ds), 1))
-        _as_stored(ds, np.arange(0, lo), writer, stats)
-        for start in range(lo, hi, size):
-            stop = min(start + size, hi)
-            pos = np.arange(start, stop)
-            batch = ds.rows(pos)
-            for key, column in columns.items():
-                batch.set(key, torch.as_tensor(column[pos]))
-            out = cleaner(batch)
-            writer.write(out.exclude(*columns))
-            if bar is not None:
-                bar.update(stop - start)
-        rest = cleaner.flush()
-        writer.write(rest.exclude(*columns))
-        _as_stored(ds, np.arange(hi, n), writer, stats)
-        for k, v in cleaner.stats.items():
-            stats[k] += v
-        writer.commit()
+        stats = _clean(ds, report, streams, opts, writer, bar)
+        writer.commit(_mark(ds, opts, stats))
     except BaseException:
         writer.abort()
         raise
     finally:
         if bar is not None:
             bar.close()
-    return Cleaned(stats, report, writer.rows if dst is None else None)
+    if dst is None:
+        return Cleaned(stats, report, writer.rows)
+    return Cleaned(stats, report, capacity=writer.capacity)
 
 
-def _as_stored(ds: Dataset, positions: np.ndarray, writer, stats: dict) -> None:
+def _layout(ds: Dataset) -> tuple[Report, Any]:
+    """The audit and the env layout; an error when the envs cannot be told apart."""
+    report, streams = analyse(ds)
+    if not streams.found:
+        raise InputError(
+            f"{ds.path}: cannot tell which env each row came from (the rows do not chain "
+            "into runs of a fixed length in a fixed env order, as a collector or a "
+            "vector-env loop writes them), so they cannot be cleaned per env. Data cleaned "
+            "by another tool reads like this (cleanbuf clean stores each row's env with its "
+            "output). Clean such rows with cleanbuf.clean(data, stream_key=KEY) and a key "
+            "holding each row's env index."
+        )
+    return report, streams
+
+
+def _capacity(ds: Dataset, report: Report, say: Callable[[str], None] | None) -> int:
+    """The rows DST is laid out for; says so before writing when SRC's buffer is too small.
+
+    A dump loads (``rb.loads``) only into a buffer of exactly its capacity:
+    DST keeps SRC's capacity (its storage's slots, now one row each) when
+    the rows fit it. A ``Collector(replay_buffer=rb)`` stores ``[T]``-step
+    chunks, one slot each, so SRC may hold more rows than slots: DST is
+    then laid out for all of them and cut to SRC's capacity at the end if
+    the cleaned rows fit after all (``Writer``).
+    """
+    n = report.rows
+    if n <= ds.capacity:
+        return ds.capacity
+    expected = n - report.reset_rows  # the rows left once the reset rows are dropped
+    if ds.format == DUMP and expected > ds.capacity and say is not None:
+        say(
+            f"note: {ds.path} holds {n} rows in {ds.capacity} slots of {ds.chunk} steps; "
+            f"about {expected} remain once cleaned, more than a buffer built as the source's "
+            f"holds ({ds.capacity} rows). DST is a buffer of {n} rows: load it into "
+            f"ReplayBuffer(storage=LazyMemmapStorage({n})) (or LazyTensorStorage({n})) "
+            "with rb.loads(DST)."
+        )
+    return n
+
+
+def _clean(ds: Dataset, report: Report, streams, opts: dict, writer, bar) -> dict:
+    """Feeds the rows through the cleaner into ``writer``, a few writes at a time."""
+    opts = dict(opts)
+    joint = opts.pop("joint_reset", False)
+    n = report.rows
+    pool = OutputPool(writer) if isinstance(writer, Writer) else None
+    stats = dict.fromkeys((*STAT_NAMES, "orphan_reset_rows", "rows_not_cleaned"), 0)
+    positions = stream_positions(streams, n)
+    env_of = np.empty(n, np.int64)
+    for env, pos in enumerate(positions):
+        env_of[pos] = env
+    columns = {ENV_KEY: env_of}
+    key_opts = {"joint_key": JOINT_KEY} if joint else {}
+    cleaner = Cleaner(Options.build(**opts, stream_key=ENV_KEY, **key_opts), pool)
+    lo, hi = 0, n  # the rows cleaned; the others are stored as they were
+    if joint:
+        flags = _joint_flags(ds, cleaner.options, streams, positions)
+        columns[JOINT_KEY], undecided = flags
+        if undecided.any() and report.confidence != "high":
+            # A step of a partial write whose rows are all done: joint or not
+            # shows only in the reward signature, which the audit doubts.
+            lo, hi = streams.head, n - streams.tail
+    if ds.wrapped and (lo, hi) == (0, n):
+        orphans = _orphans(ds, report, positions)
+        cleaner.expect_reset_rows(env_of[orphans])
+        stats["orphan_reset_rows"] = len(orphans)
+    size = streams.steps * streams.envs
+    size *= max(1, PIECE_BYTES // max(size * _row_bytes(ds), 1))
+    _as_stored(ds, np.arange(0, lo), env_of, writer, stats)
+    for start in range(lo, hi, size):
+        pos = np.arange(start, min(start + size, hi))
+        batch = ds.rows(pos)
+        for key, column in columns.items():
+            batch.set(key, torch.as_tensor(column[pos]))
+        _write(cleaner(batch), columns, writer)
+        if bar is not None:
+            bar.update(len(pos))
+    _write(cleaner.flush(), columns, writer)
+    _as_stored(ds, np.arange(hi, n), env_of, writer, stats)
+    for k, v in cleaner.stats.items():
+        stats[k] += v
+    return stats
+
+
+def _write(out: TensorDictBase, columns: dict, writer) -> None:
+    """Writes cleaned rows without cleanbuf's columns, with each row's env."""
+    if out.batch_size[0]:
+        writer.write(out.exclude(*columns), out.get(ENV_KEY).numpy())
+
+
+def _mark(ds: Dataset, opts: dict, stats: dict) -> dict:
+    """What DST's marker says: who wrote it, from what, how (see ``_marker``)."""
+    from cleanbuf import __version__
+
+    return {
+        "written_by": f"cleanbuf clean {__version__}",
+        "source": os.path.abspath(ds.path),
+        "options": {
+            k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in opts.items()
+        },
+        "stats": stats,
+    }
+
+
+def _check_apart(src: str, dst: str) -> None:
+    """Refuses a DST that is SRC, lies inside it, or holds it (paths resolved).
+
+    Writing into SRC would change the data being read; replacing a DST that
+    holds SRC (``--force``) would delete it.
+
+    Examples:
+        >>> _check_apart("runs/rb", "runs/rb_clean")
+        >>> _check_apart("runs/rb", "runs/rb/storage/x")
+        Traceback (most recent call last):
+        ...
+        cleanbuf.engine._errors.InputError: DST runs/rb/storage/x is inside SRC runs/rb ...
+    """
+    a, b = os.path.realpath(src), os.path.realpath(dst)
+    if a == b:
+        raise InputError(f"SRC and DST are the same path ({dst}); cleanbuf never modifies SRC.")
+    fix = "cleanbuf never writes into SRC nor replaces it: pick a DST outside it (a sibling)."
+    if os.path.commonpath([a, b]) == a:
+        raise InputError(f"DST {dst} is inside SRC {src} (resolved: {b} in {a}); {fix}")
+    if os.path.commonpath([a, b]) == b:
+        raise InputError(f"SRC {src} is inside DST {dst} (resolved: {a} in {b}); {fix}")
+
+
+def _as_stored(ds: Dataset, positions: np.ndarray, env_of, writer, stats: dict) -> None:
     """Writes rows as they were, counted in ``rows_not_cleaned``."""
     if len(positions):
-        writer.write(ds.rows(positions))
+        writer.write(ds.rows(positions), env_of[positions])
         for name in ("rows_in", "rows_out", "rows_not_cleaned"):
             stats[name] += len(positions)
 

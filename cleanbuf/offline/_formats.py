@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf.engine._errors import InputError
 from cleanbuf.offline._compat import storage_tensors
+from cleanbuf.offline._marker import DONE_KEYS, ENV_ARRAY, done_digest, read_dir, write_dir
 
 DUMP, MEMMAP, NPZ, HDF5 = "torchrl-dump", "memmap", "npz", "hdf5"
 HDF5_SUFFIXES = (".h5", ".hdf5")
@@ -53,6 +55,9 @@ class Dataset:
             circular buffer starts at the writer's cursor).
         capacity: the number of slots of the storage.
         wrapped: the buffer was filled and overwritten its oldest slots.
+        env: each row's env index (write order) where ``cleanbuf clean``
+            stored it, with ``mark``, its marker (see
+            :mod:`cleanbuf.offline._marker`); None elsewhere.
     """
 
     format: str
@@ -61,6 +66,8 @@ class Dataset:
     order: np.ndarray
     capacity: int
     wrapped: bool
+    env: np.ndarray | None = None
+    mark: dict | None = None
 
     @property
     def chunk(self) -> int:
@@ -199,9 +206,12 @@ def _arrays(path: str, fmt: str, arrays: dict) -> Dataset:
             "one entry per transition."
         )
     rows = next(iter(n.values()))
+    env = arrays.pop(ENV_ARRAY, None)  # cleanbuf clean's env index: not data
+    if not arrays:
+        raise InputError(f"{path} holds no arrays but {ENV_ARRAY}.")
     tensors = {tuple(name.split("/")): torch.from_numpy(a) for name, a in arrays.items()}
     data = TensorDict(tensors, batch_size=[rows])
-    return Dataset(fmt, path, data, np.arange(rows), rows, False)
+    return Dataset(fmt, path, data, np.arange(rows), rows, False, env)
 
 
 def _hdf5(path: str) -> Dataset:
@@ -220,6 +230,11 @@ def _hdf5(path: str) -> Dataset:
     except OSError as err:
         raise InputError(f"cannot read {path} as HDF5: {err}") from err
     return _arrays(path, HDF5, arrays)
+
+
+def _marked(folder: str) -> dict:
+    env, mark = read_dir(folder)
+    return {"env": env, "mark": mark}
 
 
 def read(path: str) -> Dataset:
@@ -242,10 +257,11 @@ def read(path: str) -> Dataset:
         raise InputError(f"{path} does not exist.")
     if os.path.isdir(path):
         if os.path.isdir(os.path.join(path, "storage")):
-            return _dump(path)
+            return dataclasses.replace(_dump(path), **_marked(path))
         if os.path.exists(os.path.join(path, "meta.json")):
             data = _load_memmap(path)
-            return Dataset(MEMMAP, path, data, np.arange(data.shape[0]), data.shape[0], False)
+            n = data.shape[0]
+            return Dataset(MEMMAP, path, data, np.arange(n), n, False, **_marked(path))
     elif path.endswith(".npz"):
         return _npz(path)
     elif path.endswith(HDF5_SUFFIXES):
@@ -265,13 +281,13 @@ class Collect:
         self.parts: list = []
         self.rows: TensorDictBase | None = None
 
-    def write(self, rows: TensorDictBase) -> None:
-        """Appends rows."""
+    def write(self, rows: TensorDictBase, env: Any = None) -> None:
+        """Appends rows (``env``, their env index, is for a file writer only)."""
         if rows.batch_size[0]:
             self.parts.append(rows)
 
-    def commit(self) -> None:
-        """Joins the rows."""
+    def commit(self, mark: dict | None = None) -> None:
+        """Joins the rows (``mark`` is for a file writer only)."""
         self.rows = torch.cat(self.parts) if self.parts else TensorDict(batch_size=[0])
 
     def abort(self) -> None:
@@ -289,7 +305,13 @@ def from_buffer(rb: Any, tmp: str) -> Dataset:
 
     if not isinstance(rb, ReplayBuffer):
         rb = ReplayBuffer(storage=rb)  # a storage: rows in slot order, none overwritten
-    rb.dumps(tmp)
+    with warnings.catch_warnings():
+        # A buffer filled by rb.loads has no last cursor: TorchRL warns that
+        # its save hooks may shift rows wrongly. The dump read here uses no
+        # such hook (the order comes from the writer's cursor), so the
+        # warning tells the user nothing.
+        warnings.filterwarnings("ignore", message="last_cursor is None")
+        rb.dumps(tmp)
     return read(tmp)
 
 
@@ -307,15 +329,25 @@ class Writer:
     them in place and copies nothing) or a memmap directory (cut to the
     rows written at the end). A ``.npz`` or HDF5 file is read whole from
     it: those formats are for data that fits in memory.
+
+    With the rows goes each row's env index (:mod:`cleanbuf.offline._marker`).
+    A dump is laid out for ``capacity`` rows and, when the rows written fit
+    ``fit`` (the source buffer's size), cut to ``fit``: ``rb.loads`` reads
+    it into a buffer built as the source's was.
     """
 
-    def __init__(self, fmt: str, dst: str, capacity: int, force: bool = False):
+    def __init__(
+        self, fmt: str, dst: str, capacity: int, force: bool = False, fit: int | None = None
+    ):
         from torchrl.data import LazyMemmapStorage, ReplayBuffer
 
         dst = os.path.abspath(dst)
         if os.path.exists(dst) and not force:
             raise InputError(f"{dst} exists; pass --force (force=True) to replace it.")
-        self.fmt, self.dst, self.n = fmt, dst, 0
+        self.fmt, self.dst, self.n, self.fit = fmt, dst, 0, fit
+        self.capacity: int | None = None  # a dump's, once committed: rb.loads needs it
+        self.env: list[np.ndarray] = []  # each row's env index, per write
+        self.done: list[np.ndarray] = []  # each row's done flag, per write
         self._leaves: dict | None = None  # the output's files as plain tensors, once laid out
         parent = os.path.dirname(dst)
         os.makedirs(parent, exist_ok=True)
@@ -328,8 +360,10 @@ class Writer:
             )
         )
 
-    def write(self, rows: TensorDictBase) -> None:
+    def write(self, rows: TensorDictBase, env: Any = None) -> None:
         """Appends rows (a slice write: ``rb.extend`` scatters by index, 2x slower).
+
+        ``env`` holds their env index (-1 where unknown).
 
         Leaves the cleaner already gathered into their place (:meth:`slot`)
         are not copied onto themselves; the last row goes through the
@@ -339,6 +373,8 @@ class Writer:
         if not m:
             return
         lo, hi = self.n, self.n + m
+        self.env.append(np.full(m, -1, np.int32) if env is None else np.asarray(env, np.int32))
+        self.done.append(_done_of(rows))
         fields = plain_leaves(rows) if self._leaves else None
         if fields is not None and fields.keys() == self._leaves.keys():
             for key, value in fields.items():
@@ -361,22 +397,37 @@ class Writer:
         leaf = self._leaves.get(key)
         return None if leaf is None else leaf[self.n : self.n + rows]
 
-    def commit(self) -> None:
-        """Finishes the dataset and moves it to ``dst``."""
+    def _capacity(self) -> int:
+        """The rows the dump holds room for: ``fit`` if the rows fit it, else as laid out."""
+        size = self.rb.storage.max_size
+        return self.fit if self.fit is not None and self.n <= self.fit < size else size
+
+    def commit(self, mark: dict | None = None) -> None:
+        """Finishes the dataset (with ``mark``, cleanbuf's marker) and moves it to ``dst``."""
         out = self.out
         if not self.n:
             raise InputError(f"no row is left to write to {self.dst}; nothing was written.")
+        env = np.concatenate(self.env)
+        mark = {**(mark or {}), "rows": self.n, "done": done_digest(np.concatenate(self.done))}
         if self.fmt == DUMP:
+            capacity, size = self._capacity(), self.rb.storage.max_size
+            self.capacity = capacity
             self.rb.dumps(out)
+            del self.rb  # unmap the files before they are cut
+            if capacity < size:
+                _cut_rows(os.path.join(out, "storage"), size, capacity)
             with open(os.path.join(out, "writer", "metadata.json"), "w") as f:
-                json.dump({"cursor": self.n % self.rb.storage.max_size, "write_count": self.n}, f)
+                json.dump({"cursor": self.n % capacity, "write_count": self.n}, f)
+            write_dir(out, env, mark)
         elif self.fmt == MEMMAP:
             capacity = self.rb.storage.max_size
             del self.rb  # unmap the files before they are cut
             _cut_rows(out, capacity, self.n)
+            write_dir(out, env, mark)
         else:
             stored = self.rb.storage.get(slice(0, self.n))
             arrays = {"/".join(_tuple(k)): v.numpy() for k, v in stored.items(True, True)}
+            arrays[ENV_ARRAY] = env
             out = os.path.join(self.tmp, "out")
             if self.fmt == NPZ:
                 with open(out, "wb") as f:
@@ -418,6 +469,16 @@ def _cut_rows(path: str, capacity: int, n: int) -> None:
             meta["shape"] = [n, *meta["shape"][1:]]
         with open(os.path.join(folder, "meta.json"), "w") as f:
             json.dump(meta, f)
+
+
+def _done_of(rows: TensorDictBase) -> np.ndarray:
+    """Each row's done flag, as the audit reads it (any done entry of the row)."""
+    keys = {_tuple(k) for k in rows.keys(True, True)}
+    key = next((k for k in DONE_KEYS if k in keys), None)
+    m = rows.batch_size[0]
+    if key is None:
+        return np.zeros(m, bool)
+    return rows.get(key).reshape(m, -1).any(1).numpy()
 
 
 def _tuple(key: Any) -> tuple:

@@ -41,6 +41,9 @@ class Streams:
         tail: rows after the last whole batch (a batch written in part).
         found: False when the rows break into runs with no period: they are
             then one stream in write order, which only data of one env is.
+        env: each row's env index where the data stores it (what
+            ``cleanbuf clean`` writes: see :func:`stored`); then ``steps``
+            is 1 and the other fields 0.
     """
 
     steps: int
@@ -49,6 +52,7 @@ class Streams:
     head_runs: tuple
     tail: int
     found: bool = True
+    env: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def batches(self, n_rows: int):
         """Yields ``(start, stop)`` of each whole batch, ``E * T`` rows."""
@@ -157,6 +161,17 @@ def recover(rows: Rows, chunk: int = 1, wrapped: bool = False) -> Streams:
         runs.append((env, max(stop - steps, 0), stop))
         stop, env = stop - steps, env - 1
     return Streams(steps, envs, head, tuple(reversed(runs)), tail)
+
+
+def stored(env: np.ndarray) -> Streams:
+    """The layout of rows whose env index is stored (one per row, write order).
+
+    Examples:
+        >>> s = stored(np.array([0, 1, 1, 0, 2]))
+        >>> s.envs, s.found
+        (3, True)
+    """
+    return Streams(1, int(env.max()) + 1 if len(env) else 1, 0, (), 0, env=env)
 
 
 MAX_ENVS = 1024  # the largest env count looked for

@@ -73,11 +73,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.on_lost_terminal_obs is not None:
             options["on_lost_terminal_obs"] = args.on_lost_terminal_obs
         done = clean_dataset(
-            args.src, args.dst, force=args.force, progress=not args.no_progress, **options
+            args.src,
+            args.dst,
+            force=args.force,
+            progress=not args.no_progress,
+            say=lambda note: print(f"cleanbuf clean: {note}", file=sys.stderr),
+            **options,
         )
         stats, report = done.stats, done.report
         if args.json:
-            print(json.dumps({"stats": stats, "audit": report.to_dict()}, indent=1))
+            out = {"stats": stats, "audit": report.to_dict(), "capacity": done.capacity}
+            print(json.dumps(out, indent=1))
         else:
             print(f"cleaned {args.src} -> {args.dst}")
             for k, v in stats.items():
