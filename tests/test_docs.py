@@ -74,8 +74,9 @@ def test_program_runs_as_pasted(page, program, tmp_path):
         done = _run([sys.executable, str(script)], cwd=work)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{page.name}: still running after {TIMEOUT_S} s\n{err.stderr or ''}")
-    assert done.returncode == 0, (
-        f"{page.name}: exit status {done.returncode}\n--- program ---\n{program}"
+    status = done.returncode
+    assert status == 0, (
+        f"{page.name}: exit status {status}\n--- program ---\n{program}"
         f"--- stdout ---\n{done.stdout[-4000:]}\n--- stderr ---\n{done.stderr[-8000:]}"
     )
 
