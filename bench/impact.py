@@ -257,7 +257,7 @@ def _interval(xs: list[float]) -> tuple[float, float]:
 
 
 def table(results: list[dict]) -> str:
-    """The summary table, as printed and as pasted into the README."""
+    """The summary table, as printed and as pasted into docs/does-it-matter.md."""
     lines = [
         "| task | data | seeds | final return (mean ± 95% CI) | Bellman error, end rows | "
         "Bellman error, other rows | non-finite losses |",

@@ -1,6 +1,6 @@
 """A readable, row-by-row reference cleaner, and a generator of synthetic streams.
 
-The reference implements the cleaning rules (README, "How it works"; the
+The reference implements the cleaning rules (the
 rules of each mode in ``AutoresetFilter``'s docstring) one stream at a
 time, with no batching, no arrays and no cleverness: it is what the kernels are checked
 against. The generator simulates next-step producers (plain, or with
