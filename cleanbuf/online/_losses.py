@@ -3,9 +3,12 @@
 By default (next-step mode, no ``on_lost_terminal_obs`` chosen) a terminal
 observation lost before the filter saw it (a TorchRL joint reset) is stored
 as a NaN next observation. The filter warns once, in the process that ran
-the call. The rows a
-flush marks (their reset row never came) are counted, not warned about:
-every run ends with some.
+the call. Copies of the filter in worker processes or Ray actors warn in
+their own process, which the user may not see; each copy therefore
+publishes how many observations its calls lost (under :data:`LOST_KEY`),
+and the filter in the parent warns with their sum when it reads its stats
+or flushes, unless it warned already. The rows a flush marks (their reset
+row never came) are counted, not warned about: every run ends with some.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import warnings
 
 from cleanbuf.engine._errors import CleanbufWarning
 from cleanbuf.engine._options import Options
+
+LOST_KEY = "lost_in_calls"  # in a published state: what the copy's calls stored as NaN
 
 
 def _message(n_lost: int, where: str) -> str:
@@ -45,6 +50,12 @@ class LostObservations:
         self.in_calls = 0  # terminal observations this copy's calls stored as NaN
         self.warned = False  # shown in this process
 
+    def __getstate__(self) -> dict:
+        return {"in_calls": 0, "warned": False}  # a copy counts and warns on its own
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     @staticmethod
     def counting(options: Options) -> bool:
         """Whether lost observations are stored as NaN without the user's say.
@@ -62,3 +73,18 @@ class LostObservations:
         if not self.warned:
             self.warned = True
             warnings.warn(CleanbufWarning(_message(n_lost, "")), stacklevel=4)
+
+    def after_copies(self, states: dict, stacklevel: int) -> None:
+        """Warns once with what every copy's calls lost.
+
+        Args:
+            states: each copy's last published state, this one's included.
+            stacklevel: from this call to the user's line.
+        """
+        if self.warned:
+            return
+        n_lost = sum(int(s.get(LOST_KEY, 0)) for s in states.values())
+        if n_lost:
+            self.warned = True
+            where = f" (its {len(states)} copies: worker processes, Ray actors)"
+            warnings.warn(CleanbufWarning(_message(n_lost, where)), stacklevel=stacklevel + 1)

@@ -87,10 +87,10 @@ def for_ray(copies: Copies | None, state: dict) -> Copies | None:
     return copies
 
 
-def summed_stats(copies: Copies) -> dict:
-    """The counters summed over every copy's last published state."""
+def summed_stats(states: dict) -> dict:
+    """The counters summed over every copy's last published state (``states``)."""
     total = dict.fromkeys(STAT_NAMES, 0)
-    for state in copies.load().values():
+    for state in states.values():
         for k, v in state["stats"].items():
             total[k] += int(v)
     return total
@@ -115,8 +115,8 @@ def flush_copies(
     Returns:
         ``(rows, this copy's cleaner after the flush)``.
     """
-    cleaners = {}
-    for name, state in copies.load().items():
+    cleaners, states = {}, copies.load()
+    for name, state in states.items():
         cleaners[name] = Cleaner(options)
         cleaners[name].load_state_dict(state)
     parts = [c.flush() for c in cleaners.values()]
@@ -124,8 +124,8 @@ def flush_copies(
     rows = torch.cat(parts) if parts else TensorDict({}, batch_size=[0])
     if write is not None and rows.batch_size[0]:
         write(rows)  # raises before any state is rewritten
-    for name, cleaner in cleaners.items():
-        copies.states.publish(name, cleaner.state_dict())
+    for name, cleaner in cleaners.items():  # what else a copy published stays
+        copies.states.publish(name, {**states[name], **cleaner.state_dict()})
     return rows, cleaners[copies.own]
 
 

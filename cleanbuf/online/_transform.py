@@ -13,7 +13,7 @@ from cleanbuf.engine._errors import CleanbufWarning
 from cleanbuf.engine._options import Options
 from cleanbuf.online import _publish
 from cleanbuf.online._copies import CopyStates
-from cleanbuf.online._losses import LostObservations
+from cleanbuf.online._losses import LOST_KEY, LostObservations
 from cleanbuf.online._producers import options_for_env
 from cleanbuf.online._ray import flush_buffer_actor, in_ray_actor, is_ray_buffer
 from cleanbuf.online._storage import check_storage, is_storage_init
@@ -253,12 +253,20 @@ class AutoresetFilter(Transform):
         ``episodes_completed``.
 
         Once the buffer is shared with worker processes (a multi-process
-        collector given the buffer), the sums over every copy of the filter,
-        as each last published its state (after each of its calls).
+        collector given the buffer, or the filter in Ray actors), the sums
+        over every copy of the filter, as each last published its state
+        (after each of its calls).
+
+        Warns:
+            CleanbufWarning: once per filter, when copies of it in other
+                processes stored lost terminal observations as NaN (by
+                default), with their summed count.
         """
         if self._copies is None:
             return self._cleaner.stats
-        return _publish.summed_stats(self._copies)
+        states = self._copies.load()
+        self._losses.after_copies(states, stacklevel=2)
+        return _publish.summed_stats(states)
 
     def share_memory_(self) -> AutoresetFilter:
         """Called by TorchRL when the buffer is shared with worker processes.
@@ -269,15 +277,19 @@ class AutoresetFilter(Transform):
         holds. Returns the filter.
         """
         if self._copies is None:
-            self._copies = _publish.shared(CopyStates(), self._cleaner.state_dict())
+            self._copies = _publish.shared(CopyStates(), self._state())
         return self
 
+    def _state(self) -> dict:
+        """What this copy publishes: its cleaner's state, and what its calls lost."""
+        return {**self._cleaner.state_dict(), LOST_KEY: self._losses.in_calls}
+
     def _publish(self) -> None:
-        self._copies.publish(self._cleaner.state_dict())
+        self._copies.publish(self._state())
 
     def __getstate__(self) -> dict:
         # Pickled while Ray runs: for a Ray actor, which publishes its state.
-        self._copies = _publish.for_ray(self._copies, self._cleaner.state_dict())
+        self._copies = _publish.for_ray(self._copies, self._state())
         return super().__getstate__()
 
     def __setstate__(self, state: dict) -> None:
@@ -295,7 +307,12 @@ class AutoresetFilter(Transform):
 
         Returns:
             The held rows (flat), or None when written to ``rb``.
+
+        Warns:
+            CleanbufWarning: as :attr:`stats` does, before the flush.
         """
+        if self._copies is not None:  # what the copies lost, before the flush marks more
+            self._losses.after_copies(self._copies.load(), stacklevel=2)
         if rb is not None and is_ray_buffer(rb) and flush_buffer_actor(rb, type(self)):
             # The buffer actor's filter stored every copy's held rows there.
             if self._copies is not None:
