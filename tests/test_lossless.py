@@ -112,24 +112,49 @@ def test_lossless_env_needs_no_filter():
         cleanbuf.lossless_gym_env("Pendulum-v1", 2, autoreset_mode="next_step")
 
 
-def test_for_env_predicts_the_losses_of_a_fixed_horizon_gymenv():
-    """Bugs caught: a GymEnv(num_envs) with a time limit configured without
-    a word (a user learns of the NaN rows when the weights are NaN), a
-    warning without the time limit or the two ways out, a warning for a
-    user who chose on_lost_terminal_obs.
+def test_for_env_warns_when_a_loss_happens_not_before():
+    """``for_env`` on CartPole and Pendulum ``GymEnv(num_envs=2)`` stays
+    silent; a Pendulum run warns at the call of its first joint reset, with
+    the count and both ways out, and only once.
+    Bugs caught: a construction warning for every ``GymEnv`` with a time
+    limit (CartPole's 500 steps, which random-policy episodes never reach:
+    nothing is lost, and a warning that always fires teaches users to
+    ignore the one that matters); a Pendulum run storing NaN without a word;
+    a warning for a user who chose ``on_lost_terminal_obs``.
     """
-    env = GymEnv("Pendulum-v1", num_envs=4)
-    with pytest.warns(CleanbufWarning) as record:
-        filt = AutoresetFilter.for_env(env)
-    message = str(record[0].message)
-    for fragment in ("200-step time limit", "lossless_gym_env('Pendulum-v1', 4)", "'drop'"):
-        assert fragment in message
-    assert "200-step time limit" in repr(filt)
+    for name in ("CartPole-v1", "Pendulum-v1"):
+        env = GymEnv(name, num_envs=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CleanbufWarning)
+            filt = AutoresetFilter.for_env(env)
+        env.close()
+        assert "time limit" in repr(filt)  # the repr still tells where losses come from
+    env = GymEnv("Pendulum-v1", num_envs=E, max_episode_steps=HORIZON)
+    filt = AutoresetFilter.for_env(env)
+    chosen = AutoresetFilter.for_env(env, on_lost_terminal_obs="drop")
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+    batches = _collect(env, batches=3)  # [E, T=8] each: joint resets at steps 6 and 12
     with warnings.catch_warnings():
         warnings.simplefilter("error", CleanbufWarning)
-        filt = AutoresetFilter.for_env(env, on_lost_terminal_obs="drop")
-    assert "on_lost_terminal_obs='drop'" in repr(filt)
-    env.close()
+        rb.extend(batches[0][:, : HORIZON - 1])  # no episode ended yet
+    with pytest.warns(CleanbufWarning) as record:
+        rb.extend(batches[0][:, HORIZON - 1 :])
+        for batch in batches[1:]:
+            rb.extend(batch)
+    lost = [r for r in record if issubclass(r.category, CleanbufWarning)]
+    assert len(lost) == 1
+    message = str(lost[0].message)
+    assert message.startswith(f"{E} terminal observation(s) were lost")
+    for fragment in ("lossless_gym_env", "on_lost_terminal_obs='drop'"):
+        assert fragment in message
+    assert filt.stats["terminal_obs_missing"] == E * (3 * T // HORIZON)
+    assert "on_lost_terminal_obs='drop'" in repr(chosen)
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=chosen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CleanbufWarning)
+        for batch in batches:
+            rb.extend(batch)
+    assert chosen.stats["lost_rows_dropped"] == filt.stats["terminal_obs_missing"]
 
 
 def _td0_targets(on_lost_terminal_obs):

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from tensordict import TensorDictBase
 from torchrl.envs.transforms import Transform
 
 from cleanbuf.engine._cleaner import Cleaner
-from cleanbuf.engine._errors import CleanbufWarning
 from cleanbuf.engine._options import Options
 from cleanbuf.online import _publish
 from cleanbuf.online._copies import CopyStates
@@ -224,18 +222,15 @@ class AutoresetFilter(Transform):
         Raises:
             CleanbufError: the producer is unknown; pass an explicit mode.
 
-        Warns:
-            CleanbufWarning: the producer will lose terminal observations (a
-                ``GymEnv(name, num_envs=N)`` whose sub-envs have a time limit:
-                envs that reach it together are reset together), unless
-                ``on_lost_terminal_obs`` is given.
+        A ``GymEnv(name, num_envs=N)`` loses the terminal observations of
+        envs that end on the same step (TorchRL resets them together): the
+        repr says so when its sub-envs have a time limit, and the first
+        call that loses one warns (by default).
         """
         reading = options_for_env(env)
         options = {**reading.options, **overrides}
         filt = cls(**options)
         filt._origin = reading.why
-        if reading.warning is not None and "on_lost_terminal_obs" not in overrides:
-            warnings.warn(CleanbufWarning(reading.warning), stacklevel=2)
         return filt
 
     @property
