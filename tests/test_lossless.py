@@ -23,6 +23,7 @@ from torchrl.objectives.value import TD0Estimator
 
 import cleanbuf
 from cleanbuf import AutoresetFilter, CleanbufError, CleanbufWarning
+from tests.batches import assert_same_rows
 from tests.oracle import STREAM, collect, compare_streams, make_env, streams_from_batches
 
 E, T, HORIZON = 3, 8, 6
@@ -199,3 +200,52 @@ def test_drop_keeps_nan_out_of_td_targets():
     # The default (NaN) is what the test tells apart from 'drop'.
     target, by_hand = _td0_targets(None)
     assert not torch.isfinite(by_hand).all()
+
+
+def _row_bytes(td):
+    """Bytes per row of a TensorDict whose first dimension is rows."""
+    return sum(v[0].numel() * v.element_size() for v in td.values(True, True))
+
+
+def test_lossless_recipe_stores_rows_like_the_filtered_buffer():
+    """The fixed-horizon recipe: ``lossless_gym_env`` with the pass-through
+    filter ``AutoresetFilter.for_env(env)``, written by
+    ``Collector(replay_buffer=rb)`` and by ``rb.extend(batch)``.
+    Bugs caught: the buffer storing ``[T]``-step chunks (a storage of
+    ``[capacity, T]``, T times the memory the frames need, and ``sample(4)``
+    of ``[4, T]``), a row lost or altered on the way, the two ways of
+    writing storing different rows.
+    """
+    capacity, batches = 1000, 3
+    stored = []
+    for through_collector in (True, False):
+        env = cleanbuf.lossless_gym_env("Pendulum-v1", E, max_episode_steps=HORIZON)
+        env.set_seed(0)
+        filt = AutoresetFilter.for_env(env)
+        assert filt.options.mode == "disabled"
+        rb = ReplayBuffer(storage=LazyTensorStorage(capacity), transform=filt)
+        got = collect(env, E * T, E * T * batches, rb if through_collector else None, _policy)
+        for batch in got:
+            rb.extend(batch)
+        env.close()
+        storage = rb.storage._storage
+        assert storage.batch_size == (capacity,) and len(rb) == E * T * batches
+        assert rb.sample(4).batch_size == (4,)
+        rows = rb[: len(rb)]
+        assert _row_bytes(storage) == _row_bytes(rows)  # what the frames need, per row
+        assert not rows["next", "observation"].isnan().any()
+        assert int(rows["next", "done"].sum()) == E * (T * batches // HORIZON)
+        stored.append(rows)
+    assert_same_rows(stored[0], stored[1])
+    # Without the filter TorchRL stores each env's [T] steps as one item.
+    env = cleanbuf.lossless_gym_env("Pendulum-v1", E, max_episode_steps=HORIZON)
+    rb = ReplayBuffer(storage=LazyTensorStorage(capacity))
+    collect(env, E * T, E * T, rb, _policy)
+    env.close()
+    assert rb.storage._storage.batch_size == (capacity, T)
+
+
+def _policy(td):
+    """The deterministic Pendulum policy (torque against the angular velocity)."""
+    td.set("action", (-2.0 * td["observation"][..., 2:3]).clamp(-2.0, 2.0))
+    return td
