@@ -139,3 +139,51 @@ def test_stacked_steps_clean_like_single_steps():
     for e in range(envs):
         assert_same_rows(stacked[e], one[e], f"env {e}")
     assert stacked_filt.stats["reset_rows_dropped"] > 0
+
+
+def _final_keys(td):
+    return {k for k in td.keys(True, True) if k[-1] in ("final_obs", "_final_obs")}
+
+
+def test_step_rows_with_info_adds_final_columns_only_where_they_are():
+    """Real ``gymnasium.make_vec`` loops, the info always passed to
+    ``step_rows``. Next-step: no step gets final-observation columns, and
+    the filtered buffer stores what it stores without the info. Same-step:
+    the steps where an env ended carry its terminal observation, which the
+    filter puts in the done row. Bugs caught: a next-step info adding an
+    always-zero ``("next", "final_obs")`` and an always-False
+    ``("next", "_final_obs")`` column to every row (and to the buffer);
+    a same-step terminal observation not read from the info.
+    """
+    import gymnasium as gym
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    from tests.loops import ENVS, run_loop
+
+    name, kwargs, policy = ENVS["Pendulum-truncates"]
+    stored = {}
+    for with_info in (True, False):
+        filt = AutoresetFilter("next_step", layout="step")
+        rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+        mode = gym.vector.AutoresetMode.NEXT_STEP
+        venv, steps = run_loop(name, kwargs, policy, 3, 40, mode, rb, with_info=with_info)
+        venv.close()
+        assert not any(_final_keys(s) for s in steps)
+        stored[with_info] = rb[: len(rb)]
+    assert filt.stats["reset_rows_dropped"] > 0
+    assert not _final_keys(stored[True])
+    assert_same_rows(stored[True], stored[False])
+
+    filt = AutoresetFilter("same_step", layout="step")
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+    mode = gym.vector.AutoresetMode.SAME_STEP
+    venv, steps = run_loop(name, kwargs, policy, 3, 40, mode, rb, with_info=True)
+    venv.close()
+    ended = [s for s in steps if s["next", "done"].any()]
+    assert ended and all(_final_keys(s) for s in ended)
+    assert not any(_final_keys(s) for s in steps if not s["next", "done"].any())
+    rows = rb[: len(rb)]
+    assert not _final_keys(rows) and len(rows) == 3 * 40
+    done = rows["next", "done"].reshape(-1)
+    finals = torch.cat([s["next", "final_obs"][s["next", "done"].reshape(-1)] for s in ended])
+    torch.testing.assert_close(rows["next", "observation"][done], finals)

@@ -23,6 +23,7 @@ from torchrl.objectives.value import TD0Estimator
 
 import cleanbuf
 from cleanbuf import AutoresetFilter, CleanbufError, CleanbufWarning
+from tests.batches import assert_same_rows
 from tests.oracle import STREAM, collect, compare_streams, make_env, streams_from_batches
 
 E, T, HORIZON = 3, 8, 6
@@ -112,24 +113,49 @@ def test_lossless_env_needs_no_filter():
         cleanbuf.lossless_gym_env("Pendulum-v1", 2, autoreset_mode="next_step")
 
 
-def test_for_env_predicts_the_losses_of_a_fixed_horizon_gymenv():
-    """Bugs caught: a GymEnv(num_envs) with a time limit configured without
-    a word (a user learns of the NaN rows when the weights are NaN), a
-    warning without the time limit or the two ways out, a warning for a
-    user who chose on_lost_terminal_obs.
+def test_for_env_warns_when_a_loss_happens_not_before():
+    """``for_env`` on CartPole and Pendulum ``GymEnv(num_envs=2)`` stays
+    silent; a Pendulum run warns at the call of its first joint reset, with
+    the count and both ways out, and only once.
+    Bugs caught: a construction warning for every ``GymEnv`` with a time
+    limit (CartPole's 500 steps, which random-policy episodes never reach:
+    nothing is lost, and a warning that always fires teaches users to
+    ignore the one that matters); a Pendulum run storing NaN without a word;
+    a warning for a user who chose ``on_lost_terminal_obs``.
     """
-    env = GymEnv("Pendulum-v1", num_envs=4)
-    with pytest.warns(CleanbufWarning) as record:
-        filt = AutoresetFilter.for_env(env)
-    message = str(record[0].message)
-    for fragment in ("200-step time limit", "lossless_gym_env('Pendulum-v1', 4)", "'drop'"):
-        assert fragment in message
-    assert "200-step time limit" in repr(filt)
+    for name in ("CartPole-v1", "Pendulum-v1"):
+        env = GymEnv(name, num_envs=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CleanbufWarning)
+            filt = AutoresetFilter.for_env(env)
+        env.close()
+        assert "time limit" in repr(filt)  # the repr still tells where losses come from
+    env = GymEnv("Pendulum-v1", num_envs=E, max_episode_steps=HORIZON)
+    filt = AutoresetFilter.for_env(env)
+    chosen = AutoresetFilter.for_env(env, on_lost_terminal_obs="drop")
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+    batches = _collect(env, batches=3)  # [E, T=8] each: joint resets at steps 6 and 12
     with warnings.catch_warnings():
         warnings.simplefilter("error", CleanbufWarning)
-        filt = AutoresetFilter.for_env(env, on_lost_terminal_obs="drop")
-    assert "on_lost_terminal_obs='drop'" in repr(filt)
-    env.close()
+        rb.extend(batches[0][:, : HORIZON - 1])  # no episode ended yet
+    with pytest.warns(CleanbufWarning) as record:
+        rb.extend(batches[0][:, HORIZON - 1 :])
+        for batch in batches[1:]:
+            rb.extend(batch)
+    lost = [r for r in record if issubclass(r.category, CleanbufWarning)]
+    assert len(lost) == 1
+    message = str(lost[0].message)
+    assert message.startswith(f"{E} terminal observation(s) were lost")
+    for fragment in ("lossless_gym_env", "on_lost_terminal_obs='drop'"):
+        assert fragment in message
+    assert filt.stats["terminal_obs_missing"] == E * (3 * T // HORIZON)
+    assert "on_lost_terminal_obs='drop'" in repr(chosen)
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=chosen)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CleanbufWarning)
+        for batch in batches:
+            rb.extend(batch)
+    assert chosen.stats["lost_rows_dropped"] == filt.stats["terminal_obs_missing"]
 
 
 def _td0_targets(on_lost_terminal_obs):
@@ -174,3 +200,52 @@ def test_drop_keeps_nan_out_of_td_targets():
     # The default (NaN) is what the test tells apart from 'drop'.
     target, by_hand = _td0_targets(None)
     assert not torch.isfinite(by_hand).all()
+
+
+def _row_bytes(td):
+    """Bytes per row of a TensorDict whose first dimension is rows."""
+    return sum(v[0].numel() * v.element_size() for v in td.values(True, True))
+
+
+def test_lossless_recipe_stores_rows_like_the_filtered_buffer():
+    """The fixed-horizon recipe: ``lossless_gym_env`` with the pass-through
+    filter ``AutoresetFilter.for_env(env)``, written by
+    ``Collector(replay_buffer=rb)`` and by ``rb.extend(batch)``.
+    Bugs caught: the buffer storing ``[T]``-step chunks (a storage of
+    ``[capacity, T]``, T times the memory the frames need, and ``sample(4)``
+    of ``[4, T]``), a row lost or altered on the way, the two ways of
+    writing storing different rows.
+    """
+    capacity, batches = 1000, 3
+    stored = []
+    for through_collector in (True, False):
+        env = cleanbuf.lossless_gym_env("Pendulum-v1", E, max_episode_steps=HORIZON)
+        env.set_seed(0)
+        filt = AutoresetFilter.for_env(env)
+        assert filt.options.mode == "disabled"
+        rb = ReplayBuffer(storage=LazyTensorStorage(capacity), transform=filt)
+        got = collect(env, E * T, E * T * batches, rb if through_collector else None, _policy)
+        for batch in got:
+            rb.extend(batch)
+        env.close()
+        storage = rb.storage._storage
+        assert storage.batch_size == (capacity,) and len(rb) == E * T * batches
+        assert rb.sample(4).batch_size == (4,)
+        rows = rb[: len(rb)]
+        assert _row_bytes(storage) == _row_bytes(rows)  # what the frames need, per row
+        assert not rows["next", "observation"].isnan().any()
+        assert int(rows["next", "done"].sum()) == E * (T * batches // HORIZON)
+        stored.append(rows)
+    assert_same_rows(stored[0], stored[1])
+    # Without the filter TorchRL stores each env's [T] steps as one item.
+    env = cleanbuf.lossless_gym_env("Pendulum-v1", E, max_episode_steps=HORIZON)
+    rb = ReplayBuffer(storage=LazyTensorStorage(capacity))
+    collect(env, E * T, E * T, rb, _policy)
+    env.close()
+    assert rb.storage._storage.batch_size == (capacity, T)
+
+
+def _policy(td):
+    """The deterministic Pendulum policy (torque against the angular velocity)."""
+    td.set("action", (-2.0 * td["observation"][..., 2:3]).clamp(-2.0, 2.0))
+    return td

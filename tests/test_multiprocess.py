@@ -11,17 +11,26 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 
 import pytest
 import torch
 from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-from cleanbuf import AutoresetFilter, CleanbufError, ContinuityError
+from cleanbuf import AutoresetFilter, CleanbufError, CleanbufWarning, ContinuityError
 from tests.batches import assert_same_rows
 from tests.invariants import check_invariants
 from tests.oracle import compare_streams, streams_from_rows
-from tests.workers import ENVS_PER_WORKER, STREAM, oracle_env, push_left, worker_env
+from tests.workers import (
+    ENVS_PER_WORKER,
+    STREAM,
+    no_torque,
+    oracle_env,
+    pendulum_env,
+    push_left,
+    worker_env,
+)
 
 WORKERS, T, BATCHES = 2, 16, 8
 OBS = ["observation"]  # env_id (see StreamId) is no observation to restitch
@@ -257,3 +266,48 @@ def test_multi_async_reset_at_each_iter_from_the_parent_is_refused():
                     reset_at_each_iter=True) as collector:  # fmt: skip
         with pytest.raises(CleanbufError, match="replay_buffer=rb"):
             AutoresetFilter.for_env(collector)
+
+
+def _check_loss_warning(filt, rb):
+    """The parent's first ``filt.stats`` warns once with the copies' summed
+    losses and both remedies; ``stats`` and ``flush`` then stay silent.
+    """
+    with pytest.warns(CleanbufWarning) as record:
+        stats = filt.stats
+    lost = [r for r in record if issubclass(r.category, CleanbufWarning)]
+    assert len(lost) == 1
+    message = str(lost[0].message)
+    n_nan = int(rb[: len(rb)]["next", "observation"].isnan().any(-1).sum())
+    assert n_nan > 0 and int(message.split()[0]) == stats["terminal_obs_missing"] == n_nan
+    for fragment in ("lossless_gym_env", "on_lost_terminal_obs='drop'", "NaN"):
+        assert fragment in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CleanbufWarning)
+        filt.flush(rb)
+        assert filt.stats["terminal_obs_missing"] >= n_nan
+
+
+def test_worker_losses_warn_in_the_parent():
+    """Two workers of ``GymEnv("Pendulum-v1", num_envs=2)`` extend the buffer;
+    each worker's joint reset at the 200-step limit loses its envs' terminal
+    observations, stored as NaN. Bug caught: the warning raised only in the
+    worker processes, so the parent, where the user looks, holds NaN rows
+    without a word; or a warning there without the summed count.
+    """
+    probe = pendulum_env()
+    filt = AutoresetFilter.for_env(probe)
+    probe.close()
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000), transform=filt)
+    collector = MultiSyncCollector(
+        [pendulum_env] * WORKERS,
+        no_torque,
+        frames_per_batch=WORKERS * ENVS_PER_WORKER * 50,
+        total_frames=WORKERS * ENVS_PER_WORKER * 250,  # 250 steps: one 200-step episode
+        replay_buffer=rb,
+    )
+    try:
+        for _ in collector:
+            pass
+    finally:
+        collector.shutdown()
+    _check_loss_warning(filt, rb)

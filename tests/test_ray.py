@@ -25,10 +25,13 @@ from tests.batches import assert_same_rows  # noqa: E402
 from tests.invariants import check_invariants  # noqa: E402
 from tests.oracle import compare_streams, streams_from_rows  # noqa: E402
 from tests.test_checkpoints import CUT, _calls  # noqa: E402  (short calls, one held row at CUT)
+from tests.test_multiprocess import _check_loss_warning  # noqa: E402
 from tests.workers import (  # noqa: E402
     ENVS_PER_WORKER,
     STREAM,
+    no_torque,
     oracle_env,
+    pendulum_env,
     push_left,
     seeded,
     worker_env,
@@ -46,11 +49,11 @@ def ray_session():
     ray.shutdown()
 
 
-def _collector(make_env, sync, replay_buffer=None, **collector_kwargs):
+def _collector(make_env, sync, replay_buffer=None, policy=push_left, **collector_kwargs):
     """A RayCollector of ``COLLECTORS`` collectors (collector i's envs seeded from 100 i)."""
     return RayCollector(
         [functools.partial(seeded, make_env, 100 * i) for i in range(COLLECTORS)],
-        push_left,
+        policy,
         frames_per_batch=FRAMES if sync else FRAMES // COLLECTORS,
         total_frames=FRAMES * BATCHES,
         sync=sync,
@@ -315,5 +318,28 @@ def test_distributed_transport_is_refused():
         with pytest.raises(Exception, match="transport='distributed'"):
             rb.extend(_calls()[0])
         assert len(rb) == 0
+    finally:
+        rb.close()
+
+
+def test_actor_losses_warn_on_the_driver():
+    """The filter in the buffer's actor; two collectors of
+    ``GymEnv("Pendulum-v1", num_envs=2)``, each losing its envs' terminal
+    observations at the 200-step limit (256 steps each). Bug caught: the
+    warning raised only in the buffer's actor, so the driver holds NaN rows
+    without a word; or a warning there without the summed count.
+    """
+    probe = pendulum_env()
+    filt = AutoresetFilter.for_env(probe)
+    probe.close()
+    rb = _ray_buffer(filt)
+    try:
+        collector = _collector(pendulum_env, True, replay_buffer=rb, policy=no_torque)
+        try:
+            for _ in collector:
+                pass
+        finally:
+            collector.shutdown()
+        _check_loss_warning(filt, rb)
     finally:
         rb.close()

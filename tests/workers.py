@@ -79,3 +79,16 @@ def seeded(make_env, seed):
     env = make_env()
     env.set_seed(seed)
     return env
+
+
+def pendulum_env():
+    """``GymEnv("Pendulum-v1", num_envs=2)``: a fixed horizon, so its two envs
+    always end together and TorchRL's joint reset loses both terminal observations.
+    """
+    return GymEnv("Pendulum-v1", num_envs=ENVS_PER_WORKER)
+
+
+def no_torque(td):
+    """Deterministic Pendulum policy: no torque."""
+    td.set("action", torch.zeros(*td.batch_size, 1))
+    return td

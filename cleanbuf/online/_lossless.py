@@ -28,8 +28,12 @@ def lossless_gym_env(
     ``GymWrapper`` over ``gymnasium.make_vec`` in an auto-reset mode that
     TorchRL repairs itself (``"disabled"``: explicit partial resets;
     ``"same_step"``: the terminal observation read from the step's info), so
-    the data needs no filter. ``AutoresetFilter.for_env`` on it returns a
-    pass-through filter.
+    the data needs no cleaning. Still give the buffer
+    ``transform=AutoresetFilter.for_env(env)``, a pass-through filter: it
+    stores the collector's ``[E, T]`` batches as flat rows, as a filtered
+    buffer does. Without it, TorchRL's ``LazyTensorStorage(N)`` stores each
+    env's ``T`` steps as one item (a ``[N, T]`` storage, T times the
+    memory, and ``sample(4)`` returns ``[4, T]``).
 
     Args:
         env_name: a Gymnasium env id, e.g. ``"Pendulum-v1"``.
@@ -58,8 +62,14 @@ def lossless_gym_env(
         False
         >>> int(td["next", "done"].sum())  # every sub-env ended twice, at steps 5 and 10
         8
-        >>> cleanbuf.AutoresetFilter.for_env(env).options.mode
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> filt = cleanbuf.AutoresetFilter.for_env(env)  # pass-through: flat rows
+        >>> filt.options.mode
         'disabled'
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+        >>> _ = rb.extend(td)
+        >>> len(rb), rb.sample(4).batch_size
+        (48, torch.Size([4]))
     """
     import gymnasium
     from torchrl.envs import GymWrapper

@@ -53,49 +53,30 @@ class Reading:
     Attributes:
         options: the filter options that fit it.
         why: a short reason (shown in the filter's repr).
-        warning: a prediction the user should hear at construction (that
-            the producer will lose terminal observations), or None.
         streams: the streams in one batch of a ``RayCollector``'s remote
             collector (read there), else None.
     """
 
     options: dict
     why: str
-    warning: str | None = None
     streams: int | None = None
 
 
 def _time_limit(vec: Any) -> tuple[str, int] | None:
-    """The env id and time limit of a Gymnasium vector env's sub-envs, if any."""
+    """The env id and time limit of a Gymnasium vector env's sub-envs, if any.
+
+    Shown in the filter's repr, not warned about: a time limit says when
+    episodes end at the latest, not whether envs end together (that also
+    depends on whether the task can end earlier, which a Gymnasium
+    ``EnvSpec`` does not say, and on the policy). The filter warns when a
+    call does lose a terminal observation.
+    """
     try:
         spec = vec.get_attr("spec")[0]
     except Exception:  # an env without a spec, or a closed one: nothing to predict
         return None
     steps = getattr(spec, "max_episode_steps", None)
     return (spec.id, int(steps)) if steps else None
-
-
-def _joint_loss_warning(vec: Any, limit: tuple[str, int] | None) -> str | None:
-    """The prediction for a TorchRL GymWrapper over a next-step vector env.
-
-    TorchRL resets all its envs together when they all end on the same
-    step, and their terminal observations are lost. Envs that start
-    together and never end before the time limit ``limit`` (fixed-horizon
-    tasks) all end on the same step, every episode.
-    """
-    if limit is None or vec.num_envs < 2:
-        return None
-    name, steps = limit
-    return (
-        f"the {vec.num_envs} sub-envs of this GymEnv('{name}') end episodes at a "
-        f"{steps}-step time limit. Envs that reach it on the same step (all of them, every "
-        "episode, when no episode ends earlier, as in fixed-horizon tasks) are reset "
-        "together by TorchRL, and their terminal observations are lost: the filter stores "
-        "them as NaN next observations (on_lost_terminal_obs='nan') and counts them in "
-        f"stats['terminal_obs_missing']. To lose none, build the env with "
-        f"cleanbuf.lossless_gym_env('{name}', {vec.num_envs}); to keep such rows out of "
-        "your losses, pass on_lost_terminal_obs='drop'."
-    )
 
 
 def _collector_options(collector: Any) -> Reading:
@@ -263,12 +244,13 @@ def _torchrl_options(env: Any) -> Reading:
             return Reading(
                 {"mode": "disabled"}, f"GymWrapper over a {mode} vector env (TorchRL repairs it)"
             )
-        limit = _time_limit(vec)
-        warning = _joint_loss_warning(vec, limit)
         why = "TorchRL GymWrapper over a next-step vector env (joint reset)"
-        if warning is not None:
-            why += f"; joint resets at the {limit[1]}-step time limit lose terminal obs"
-        return Reading({"mode": "next_step", "joint_reset": True}, why, warning)
+        limit = _time_limit(vec)
+        if limit is not None and vec.num_envs > 1:
+            why += (
+                f"; envs ending together (e.g. at the {limit[1]}-step time limit) lose terminal obs"
+            )
+        return Reading({"mode": "next_step", "joint_reset": True}, why)
     raise CleanbufError(
         f"cannot read the auto-reset behaviour of TorchRL env {type(inner).__name__}; "
         "pass mode= (and joint_reset=) explicitly."

@@ -87,22 +87,26 @@ class RayStates:
         return ray.get(self.actor.load.remote())
 
 
-def flush_buffer_actor(rb: Any) -> bool:
+def flush_buffer_actor(rb: Any, filter_type: type) -> bool:
     """Flushes the filter inside a Ray replay buffer's actor, into that buffer.
+
+    Args:
+        rb: the driver's handle on the Ray replay buffer.
+        filter_type: the filter's class (Ray sends it to the actor by
+            reference), whose instance among the buffer's transforms is
+            flushed.
 
     Returns:
         Whether the buffer's actor has a filter (False: nothing was done).
     """
     import ray
 
-    return ray.get(rb._rb.__ray_call__.remote(_flush_here))
+    return ray.get(rb._rb.__ray_call__.remote(_flush_here, filter_type))
 
 
-def _flush_here(actor_rb: Any) -> bool:
-    from cleanbuf.online._transform import AutoresetFilter
-
+def _flush_here(actor_rb: Any, filter_type: type) -> bool:
     for t in getattr(actor_rb, "_transform", None) or ():
-        if isinstance(t, AutoresetFilter):
+        if isinstance(t, filter_type):
             t.flush(actor_rb)
             return True
     return False

@@ -39,7 +39,9 @@ def _final_from_info(info: Any, next_obs: Any, n: int):
 
     Returns:
         ``(final, present)``: the terminal observations shaped like
-        ``next_obs`` (zeros where absent), and the bool mask ``[n]``.
+        ``next_obs`` (zeros where absent), and the bool mask ``[n]``; None
+        when the info holds no terminal observation (a next-step
+        producer's info, or a same-step step where no env ended).
     """
     entries: list = [None] * n
     if isinstance(info, Mapping):
@@ -60,6 +62,8 @@ def _final_from_info(info: Any, next_obs: Any, n: int):
             f"got {type(info).__name__}."
         )
     present = np.array([e is not None for e in entries], bool)
+    if not present.any():
+        return None
 
     def fill(template: Any, pick):
         if isinstance(template, Mapping):
@@ -70,6 +74,26 @@ def _final_from_info(info: Any, next_obs: Any, n: int):
         return out
 
     return fill(next_obs, lambda e: e), present
+
+
+def _done_flags(terminated: Any, truncated: Any, info: Any, n: int):
+    """``(terminated, truncated)`` as ``[n, 1]`` booleans.
+
+    ``truncated=None`` is a Stable-Baselines3 step: the truncations are
+    read from the infos' ``"TimeLimit.truncated"`` and removed from its
+    ``dones``.
+    """
+    terminated = _flag(terminated, n, "terminated")
+    if truncated is not None:
+        return terminated, _flag(truncated, n, "truncated")
+    if not (isinstance(info, Sequence) and not isinstance(info, (str, Mapping))):
+        raise InputError(
+            "truncated=None is for Stable-Baselines3 steps, where the truncations are in "
+            "the list of info dicts; pass truncated= for Gymnasium steps."
+        )
+    flags = [bool(d.get("TimeLimit.truncated", False)) for d in info]
+    truncated = torch.tensor(flags).reshape(n, 1)
+    return terminated & ~truncated, truncated
 
 
 def step_rows(
@@ -95,17 +119,22 @@ def step_rows(
         truncated: truncations ``[E]``; None for Stable-Baselines3, where they
             are read from the infos' ``"TimeLimit.truncated"`` (and removed
             from ``terminated``).
-        info: the step's info, for same-step producers: the terminal
-            observations are read from it (Gymnasium ``info["final_obs"]``,
-            Stable-Baselines3 ``infos[i]["terminal_observation"]``) into
-            ``("next", "final_obs")`` with the mask ``("next", "_final_obs")``.
-            Leave it None for next-step producers.
+        info: the step's info; always pass it. Where it holds terminal
+            observations (same-step producers: Gymnasium
+            ``info["final_obs"]`` on a step where an env ended,
+            Stable-Baselines3 ``infos[i]["terminal_observation"]``), they
+            become ``("next", "final_obs")`` with the mask
+            ``("next", "_final_obs")``, which the filter reads and does not
+            store (unless ``keep_final_obs=True``). Otherwise (next-step
+            producers, EnvPool, a step where no env ended) no such column is
+            added. Required (for the truncations) when ``truncated`` is None.
         env_ids: also store each row's env index as ``"env_id"``.
 
     Returns:
         A TensorDict ``[E]`` with ``observation``, ``action`` and ``next``:
         ``observation``, ``reward`` ``[E, 1]``, ``terminated``, ``truncated``,
-        ``done`` (``[E, 1]`` booleans) and the final-observation entry.
+        ``done`` (``[E, 1]`` booleans), and the final-observation entry
+        where the info holds one.
 
     Examples:
         >>> import gymnasium as gym
@@ -125,19 +154,7 @@ def step_rows(
         40
     """
     n = int(np.asarray(reward).shape[0])
-    terminated = _flag(terminated, n, "terminated")
-    if truncated is None:
-        if not (isinstance(info, Sequence) and not isinstance(info, (str, Mapping))):
-            raise InputError(
-                "truncated=None is for Stable-Baselines3 steps, where the truncations are in "
-                "the list of info dicts; pass truncated= for Gymnasium steps."
-            )
-        truncated = torch.tensor([bool(d.get("TimeLimit.truncated", False)) for d in info]).reshape(
-            n, 1
-        )
-        terminated = terminated & ~truncated
-    else:
-        truncated = _flag(truncated, n, "truncated")
+    terminated, truncated = _done_flags(terminated, truncated, info, n)
     action_t = _tree(action, n, "action")
     if isinstance(action_t, torch.Tensor) and action_t.dim() == 1:
         action_t = action_t.reshape(n, 1)
@@ -151,8 +168,9 @@ def step_rows(
         "truncated": truncated,
         "done": terminated | truncated,
     }
-    if info is not None:
-        final, present = _final_from_info(info, next_obs, n)
+    found = None if info is None else _final_from_info(info, next_obs, n)
+    if found is not None:
+        final, present = found
         nxt["final_obs"] = _tree(final, n, "final_obs")
         nxt["_final_obs"] = torch.from_numpy(present).reshape(n, 1)
     data = {"observation": _tree(obs, n, "obs"), "action": action_t, "next": nxt}

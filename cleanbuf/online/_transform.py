@@ -2,39 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Any
 
-import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torchrl.envs.transforms import Transform
 
-from cleanbuf.engine._cleaner import STAT_NAMES, Cleaner
-from cleanbuf.engine._errors import CleanbufWarning, LayoutError
-from cleanbuf.engine._keys import TRAJ_IDS
+from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._options import Options
-from cleanbuf.online._compat import calling_replay_buffer
-from cleanbuf.online._copies import CopyStates, new_copy_name
-from cleanbuf.online._ray import (
-    RayStates,
-    flush_buffer_actor,
-    in_ray_actor,
-    is_ray_buffer,
-    ray_running,
-)
-
-
-def _is_storage_init(td: TensorDictBase) -> bool:
-    """Whether ``td`` is TorchRL's storage-initialisation batch.
-
-    A multi-process collector writes it to initialise the buffer's storage
-    before its workers start (all zeros, one step, trajectory ids
-    included), and removes it right after with ``rb.empty()``.
-    """
-    if not td.batch_dims or td.batch_size[-1] != 1 or TRAJ_IDS not in td.keys(True, True):
-        return False
-    return not any(v.any() for v in td.values(True, True))
+from cleanbuf.online import _publish
+from cleanbuf.online._copies import CopyStates
+from cleanbuf.online._losses import LOST_KEY, LostObservations
+from cleanbuf.online._producers import options_for_env
+from cleanbuf.online._ray import flush_buffer_actor, in_ray_actor, is_ray_buffer
+from cleanbuf.online._storage import check_storage, is_storage_init
 
 
 class AutoresetFilter(Transform):
@@ -211,10 +191,9 @@ class AutoresetFilter(Transform):
         self._cleaner = Cleaner(Options.build(mode, **options))
         self._bypass = False
         self._origin = None
-        self._copies: CopyStates | None = None  # set once the buffer is shared
-        self._copy: tuple | None = None  # (pid, name) of this copy, once it published
+        self._copies: _publish.Copies | None = None  # set once the copies publish
         self._storage_checked = False  # the buffer's storage takes flat rows (checked once)
-        self._warned_nan = False  # a NaN next observation was written by default (warned once)
+        self._losses = LostObservations()  # NaN next observations written by default
         self._in_ray_actor: bool | None = None  # whether it runs in a Ray actor (first call)
 
     @classmethod
@@ -243,20 +222,15 @@ class AutoresetFilter(Transform):
         Raises:
             CleanbufError: the producer is unknown; pass an explicit mode.
 
-        Warns:
-            CleanbufWarning: the producer will lose terminal observations (a
-                ``GymEnv(name, num_envs=N)`` whose sub-envs have a time limit:
-                envs that reach it together are reset together), unless
-                ``on_lost_terminal_obs`` is given.
+        A ``GymEnv(name, num_envs=N)`` loses the terminal observations of
+        envs that end on the same step (TorchRL resets them together): the
+        repr says so when its sub-envs have a time limit, and the first
+        call that loses one warns (by default).
         """
-        from cleanbuf.online._producers import options_for_env
-
         reading = options_for_env(env)
         options = {**reading.options, **overrides}
         filt = cls(**options)
         filt._origin = reading.why
-        if reading.warning is not None and "on_lost_terminal_obs" not in overrides:
-            warnings.warn(CleanbufWarning(reading.warning), stacklevel=2)
         return filt
 
     @property
@@ -274,16 +248,20 @@ class AutoresetFilter(Transform):
         ``episodes_completed``.
 
         Once the buffer is shared with worker processes (a multi-process
-        collector given the buffer), the sums over every copy of the filter,
-        as each last published its state (after each of its calls).
+        collector given the buffer, or the filter in Ray actors), the sums
+        over every copy of the filter, as each last published its state
+        (after each of its calls).
+
+        Warns:
+            CleanbufWarning: once per filter, when copies of it in other
+                processes stored lost terminal observations as NaN (by
+                default), with their summed count.
         """
         if self._copies is None:
             return self._cleaner.stats
-        total = dict.fromkeys(STAT_NAMES, 0)
-        for state in self._copies.load().values():
-            for k, v in state["stats"].items():
-                total[k] += int(v)
-        return total
+        states = self._copies.load()
+        self._losses.after_copies(states, stacklevel=2)
+        return _publish.summed_stats(states)
 
     def share_memory_(self) -> AutoresetFilter:
         """Called by TorchRL when the buffer is shared with worker processes.
@@ -294,26 +272,23 @@ class AutoresetFilter(Transform):
         holds. Returns the filter.
         """
         if self._copies is None:
-            self._copies = CopyStates()
-            self._publish()
+            self._copies = _publish.shared(CopyStates(), self._state())
         return self
 
+    def _state(self) -> dict:
+        """What this copy publishes: its cleaner's state, and what its calls lost."""
+        return {**self._cleaner.state_dict(), LOST_KEY: self._losses.in_calls}
+
     def _publish(self) -> None:
-        pid = os.getpid()
-        if self._copy is None or self._copy[0] != pid:
-            self._copy = (pid, new_copy_name())
-        self._copies.publish(self._copy[1], self._cleaner.state_dict())
+        self._copies.publish(self._state())
 
     def __getstate__(self) -> dict:
         # Pickled while Ray runs: for a Ray actor, which publishes its state.
-        if self._copies is None and ray_running():
-            self._copies = RayStates()
-            self._publish()
+        self._copies = _publish.for_ray(self._copies, self._state())
         return super().__getstate__()
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self._copy = None  # a copy publishes under its own name
         self._in_ray_actor = None  # where it runs is read at its first call
 
     def flush(self, rb: Any = None) -> TensorDictBase | None:
@@ -327,14 +302,22 @@ class AutoresetFilter(Transform):
 
         Returns:
             The held rows (flat), or None when written to ``rb``.
+
+        Warns:
+            CleanbufWarning: as :attr:`stats` does, before the flush.
         """
-        if rb is not None and is_ray_buffer(rb) and flush_buffer_actor(rb):
+        if self._copies is not None:  # what the copies lost, before the flush marks more
+            self._losses.after_copies(self._copies.load(), stacklevel=2)
+        if rb is not None and is_ray_buffer(rb) and flush_buffer_actor(rb, type(self)):
             # The buffer actor's filter stored every copy's held rows there.
             if self._copies is not None:
-                self._cleaner.load_state_dict(self._copies.load()[self._copy[1]])
+                self._cleaner.load_state_dict(self._copies.load()[self._copies.own])
             return None
         if self._copies is not None:
-            return self._flush_copies(rb)
+            self._publish()
+            write = None if rb is None else lambda rows: self._extend_bypassing(rb, rows)
+            rows, self._cleaner = _publish.flush_copies(self._copies, self.options, write)
+            return None if rb is not None else rows
         if rb is None:
             return self._cleaner.flush()
         state = self._cleaner.state_dict()
@@ -355,29 +338,6 @@ class AutoresetFilter(Transform):
         finally:
             self._bypass = False
 
-    def _flush_copies(self, rb: Any) -> TensorDictBase | None:
-        """:meth:`flush` of every copy's last published state (the buffer is shared).
-
-        Their held rows, in one write; each copy's state then shows them
-        stored. Call it once the workers are done (after the
-        collector's ``shutdown()``): a worker still running would publish
-        its state again, held rows included.
-        """
-        self._publish()
-        cleaners = {}
-        for name, state in self._copies.load().items():
-            cleaners[name] = Cleaner(self.options)
-            cleaners[name].load_state_dict(state)
-        parts = [c.flush() for c in cleaners.values()]
-        parts = [p for p in parts if p.batch_size[0]]
-        rows = torch.cat(parts) if parts else TensorDict({}, batch_size=[0])
-        if rb is not None and rows.batch_size[0]:
-            self._extend_bypassing(rb, rows)  # raises before any state is rewritten
-        for name, cleaner in cleaners.items():
-            self._copies.publish(name, cleaner.state_dict())
-        self._cleaner = cleaners[self._copy[1]]
-        return None if rb is not None else rows
-
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
         if self._bypass:
             return tensordict
@@ -394,90 +354,23 @@ class AutoresetFilter(Transform):
                 "ReplayBuffer(transform=...), not in an environment."
             )
         if not self._storage_checked:
-            self._check_storage()
+            check_storage()
+            self._storage_checked = True  # once per process: a frame walk is not free
         if self._in_ray_actor is None:
             self._in_ray_actor = in_ray_actor()
         self._cleaner.many_producers = self._in_ray_actor  # also a cleaner a flush replaced
-        if _is_storage_init(tensordict):
+        if is_storage_init(tensordict):
             # Shaped as the filter's rows, so the storage is laid out for them;
             # TorchRL empties the buffer right after: nothing is counted or kept.
-            out = Cleaner(self.options)(tensordict)
-        else:
-            watch = self._watch_nan()
-            lost = self._cleaner.count("terminal_obs_missing") if watch else 0
-            out = self._cleaner(tensordict)
-            if watch:
-                self._warn_lost(self._cleaner.count("terminal_obs_missing") - lost)
-            if self._copies is not None:
-                self._publish()
+            return Cleaner(self.options)(tensordict)
+        counting = self._losses.counting(self.options)
+        lost = self._cleaner.count("terminal_obs_missing") if counting else 0
+        out = self._cleaner(tensordict)
+        if counting:
+            self._losses.after_call(self._cleaner.count("terminal_obs_missing") - lost)
+        if self._copies is not None:
+            self._publish()
         return out
-
-    def _watch_nan(self) -> bool:
-        """Whether a call may still owe the NaN warning of :meth:`_warn_lost`.
-
-        Only until it has warned, and only by default: a user who chose
-        ``on_lost_terminal_obs`` knows, and same-step data raises instead of
-        marking by default.
-        """
-        opts = self.options
-        return (
-            not self._warned_nan
-            and opts.on_lost_terminal_obs is None
-            and (opts.mode == "next_step")
-        )
-
-    def _warn_lost(self, n_lost: int) -> None:
-        """Warns once per filter when a call marks lost terminal observations NaN.
-
-        The rows a flush marks (their reset row never came) are counted, not
-        warned about: every run ends with some.
-        """
-        if not n_lost:
-            return
-        self._warned_nan = True
-        warnings.warn(
-            CleanbufWarning(
-                f"{n_lost} terminal observation(s) were lost before the filter saw them "
-                "(TorchRL resets all envs of a GymEnv(num_envs=N) together when they end on "
-                "the same step, as fixed-horizon tasks always do) and are stored as NaN next "
-                "observations, which turn a TD target NaN even under a done mask. Use a "
-                "lossless producer, cleanbuf.lossless_gym_env(name, num_envs) (TorchRL's "
-                "GymWrapper over gymnasium.make_vec(..., vector_kwargs={'autoreset_mode': "
-                "AutoresetMode.DISABLED or SAME_STEP})), or on_lost_terminal_obs='drop' to "
-                "store no such row. This warning is shown once per filter."
-            ),
-            stacklevel=4,
-        )
-
-    def _check_storage(self) -> None:
-        """Refuses a buffer that cannot take the filter's rows.
-
-        The filter's output is flat rows, which TorchRL cannot write into a
-        storage with more than one batch dimension (it fails after the
-        filter has moved on). A ``RayReplayBuffer(transport="distributed")``
-        binds the size of an extend's reply at its first extend, and the
-        number of rows the filter leaves changes from call to call.
-        """
-        rb = calling_replay_buffer()
-        if getattr(rb, "_distributed_service", None) is not None:
-            raise LayoutError(
-                "this RayReplayBuffer uses transport='distributed', which fixes the size of "
-                "every extend's reply at the first extend; the number of rows AutoresetFilter "
-                "leaves differs from call to call, so the second extend would fail. Use "
-                "transport='ray' (the default). Nothing was written."
-            )
-        storage = getattr(rb, "storage", None) if rb is not None else None
-        ndim = getattr(storage, "ndim", 1)
-        if ndim > 1:
-            raise LayoutError(
-                f"the buffer's storage has ndim={ndim} ({type(storage).__name__}), but "
-                "AutoresetFilter stores flat rows (each episode's reset rows are gone, so the "
-                "[E, T] shape of a batch cannot be kept). Build the storage with ndim=1 (the "
-                "default): the rows keep their ('collector', 'traj_ids'), and a SliceSampler "
-                "with traj_key=('collector', 'traj_ids') samples sequences from them. "
-                "Nothing was written."
-            )
-        self._storage_checked = True  # once per process: a frame walk is not free
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Cleans a batch when the filter is a collector's ``postproc``.
@@ -514,19 +407,14 @@ class AutoresetFilter(Transform):
         state = self._cleaner.state_dict()
         if self._copies is not None:  # every other copy's state too
             self._publish()
-            own = self._copy[1]
-            state["copies"] = [s for n, s in self._copies.load().items() if n != own]
+            state["copies"] = self._copies.others()
         return state
 
     def set_extra_state(self, state: dict) -> None:
-        copies = state.get("copies", [])
-        for copy_state in copies:  # refuse a bad state before changing anything
-            Cleaner(self.options).load_state_dict(copy_state)
+        others = state.get("copies", [])
+        _publish.check_states(others, self.options)
         self._cleaner.load_state_dict(state)
-        if copies and self._copies is None:
-            self._copies = CopyStates()
-        for copy_state in copies:
-            self._copies.publish(new_copy_name(), copy_state)
+        self._copies = _publish.add_copies(self._copies, others)
         if self._copies is not None:
             self._publish()
 
