@@ -15,6 +15,7 @@ The public API:
 * the errors, all ``ValueError`` subclasses.
 """
 
+from cleanbuf._version import __version__ as __version__
 from cleanbuf.engine._errors import (
     CleanbufError,
     CleanbufWarning,
@@ -44,4 +45,3 @@ __all__ = [
     "lossless_gym_env",
     "step_rows",
 ]
-__version__ = "0.2.0"

@@ -242,7 +242,7 @@ def _write(out: TensorDictBase, columns: dict, writer) -> None:
 
 def _mark(ds: Dataset, opts: dict, stats: dict) -> dict:
     """What DST's marker says: who wrote it, from what, how (see ``_marker``)."""
-    from cleanbuf import __version__
+    from cleanbuf._version import __version__
 
     return {
         "written_by": f"cleanbuf clean {__version__}",

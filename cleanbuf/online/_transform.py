@@ -88,6 +88,16 @@ class AutoresetFilter(Transform):
     write failed is taken as a retry: its rows (and the held rows its call
     released) are delivered again.
 
+    **Batch-end marks.** ``Collector(set_truncated=True)`` marks every
+    batch's last step done and truncated. Such a row (done, truncated, not
+    terminated, on a time-last call's last step, where TorchRL zero-fills
+    real terminal observations) may be a real end or only a mark; no option
+    says which. It is held, and its stream's next row decides: a restart
+    (``is_init``, else a first row whose observation differs from the held
+    row's next observation) means a real end, any other row a mark, stored
+    as it was. One still undecided at :meth:`flush` is a real end (its
+    terminal observation lost) unless the stream's marks showed before.
+
     **Many processes.** Given to a multi-process TorchRL collector
     (``replay_buffer=rb``), the buffer and this filter are pickled into each
     worker; TorchRL calls :meth:`share_memory_` first, and from then on every
@@ -156,10 +166,6 @@ class AutoresetFilter(Transform):
             looks for the common names.
         keep_final_obs: same-step mode: store the final-observation entry too.
         compact: observation-only data: keep it observation-only (see above).
-        set_truncated: the rows come from ``Collector(set_truncated=True)``:
-            a done row on a call's last step that is only truncated is held
-            until the next row of its stream says whether it ended an
-            episode (a restart) or was a batch-end mark (kept as stored).
         check_continuity: check that each call continues the streams of the
             calls before it (see above).
         producer_key: batches come from several producers in turn (a
@@ -204,7 +210,7 @@ class AutoresetFilter(Transform):
         ``GymWrapper`` (also inside ``TransformedEnv``, and ``ParallelEnv`` /
         ``SerialEnv`` of them, where each worker is its own reset group), a
         TorchRL collector (``compact_obs=True`` makes the data
-        observation-only, ``set_truncated=True`` adds batch-end marks), a
+        observation-only), a
         ``MultiSyncCollector`` or ``MultiAsyncCollector`` (each worker its
         own reset group; an async collector's batches told apart by
         trajectory ids), a ``RayCollector`` (read in its first remote
