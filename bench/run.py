@@ -196,6 +196,7 @@ def extend_cases(table: Table, kind: str, frac: float, rounds: int) -> None:
         rounds,
         group=what,
     )
+    fixed_cost(table, calls, what, rounds)
     if frac:
         pair(
             table,
@@ -247,6 +248,27 @@ def extend_cases(table: Table, kind: str, frac: float, rounds: int) -> None:
         )
     if frac == 0.02 and kind == "mujoco":
         declared_device_case(table, what, rounds)
+
+
+def fixed_cost(table: Table, calls: dict, what: str, rounds: int) -> None:
+    """The filter's own time per call: filter minus the reshape-only (no-op) transform.
+
+    Both go through TorchRL's transform machinery and store the same rows
+    (a view of the batch, or the cleaned copy), so the difference is what
+    the filter adds: its reading, checks, kernel and gathers.
+    """
+    times = alternate({"reshape": calls["reshape"], "filter": calls["filter"]}, rounds)
+    cost = statistics.median(f - r for f, r in zip(times["filter"], times["reshape"]))
+    table.add(
+        f"filter's cost per call: filter minus reshape-only transform, {what}",
+        ms(statistics.median(times["reshape"])),
+        ms(statistics.median(times["filter"])),
+        cost * 1e6,
+        0,
+        None,
+        unit="us",
+        group=what,
+    )
 
 
 def _cycling(fn, batches):
@@ -428,6 +450,7 @@ def step_case(table: Table, rounds: int) -> None:
         rounds,
         group=what,
     )
+    fixed_cost(table, calls, what, rounds)
     pair(
         table,
         f"floor: {what}: minimal compaction / plain",
@@ -455,21 +478,25 @@ def kernel_scaling(table: Table, quick: bool) -> dict:
         none = np.zeros(0, bool)
         args = (
             n,
-            n // 8,
-            np.zeros(0, np.int64),
+            n // 8,  # steps
+            np.zeros(0, np.int64),  # stream
             done,
-            none,
-            none,
-            False,
+            none,  # joint
+            0,  # group
+            none,  # final_ok
+            False,  # final_default
             reward,
-            none,
-            none,
-            np.zeros((5, 8), np.int64),
-            True,
-            False,
-            False,
-            True,
-            True,
+            none,  # restart
+            none,  # terminated
+            none,  # truncated
+            False,  # marks
+            np.zeros(0, np.uint8),  # cont
+            np.zeros((5, 8), np.int64),  # carry
+            True,  # reset_rows
+            False,  # successor
+            False,  # final
+            True,  # stitch
+            True,  # hold_done
         )
         for name, fn, fn_args in (
             ("plan", _kernels.plan, args),
