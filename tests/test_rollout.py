@@ -341,3 +341,33 @@ def test_same_step_loop():
                                        time_dim=0)  # fmt: skip
     assert worst < TOL and n_rows > 150
     assert repair.stats["next_obs_restitched"] == int(data["next", "done"].sum())
+
+
+def test_state_dict_restores_the_held_column(cartpole, tmp_path):
+    """Bugs caught: a checkpoint that forgets the held column (a frame lost,
+    its done row never completed) or the cleaner's carry (the next batch's
+    reset row left unmasked), or that is not picklable.
+    """
+    raw, _, _, _ = cartpole
+    repair = RolloutRepair(joint_reset=True)
+    for batch in raw[:3]:
+        repair(batch)
+    torch.save(repair.state_dict(), tmp_path / "repair.pt")
+    restored = RolloutRepair(joint_reset=True)
+    restored.load_state_dict(torch.load(tmp_path / "repair.pt", weights_only=False))
+    assert restored.stats == repair.stats
+    for batch in raw[3:]:
+        assert (restored(batch) == repair(batch)).all()
+    assert (restored.flush() == repair.flush()).all() and restored.stats == repair.stats
+
+
+def test_for_env_reads_a_raw_vector_env_as_time_first():
+    """Bugs caught: for_env taking a raw Gymnasium loop's [T, E] rollouts as
+    TorchRL's [E, T] batches (streams and time swapped), or holding the last
+    step of a producer whose done rows keep their terminal observation.
+    """
+    envs = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
+    repair = RolloutRepair.for_env(envs)
+    envs.close()
+    assert "layout='time_first'" in repr(repair)
+    assert repair.options.mode == "next_step" and repair.options.terminal_obs_in_done_row

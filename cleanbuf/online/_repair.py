@@ -170,7 +170,8 @@ class RolloutRepair:
         Reads the producer as :meth:`cleanbuf.AutoresetFilter.for_env` does
         (TorchRL ``GymEnv`` / ``GymWrapper`` and their transformed, serial
         and parallel forms, a TorchRL ``Collector``, a Gymnasium
-        ``VectorEnv``, a Stable-Baselines3 ``VecEnv``, an EnvPool env). A
+        ``VectorEnv``, a Stable-Baselines3 ``VecEnv``, an EnvPool env: raw
+        loops, whose rollouts are taken as stored time first, ``[T, E]``). A
         multi-process or Ray collector is refused: repair each worker's
         batches, or use :class:`cleanbuf.AutoresetFilter`.
 
@@ -196,7 +197,9 @@ class RolloutRepair:
                 "repairs one producer's [*E, T] batches. Give each worker its own repair, "
                 "or use AutoresetFilter."
             )
-        if options.get("layout") in ("step", "stream_key"):
+        if reading.options.get("layout") == "step" and "layout" not in overrides:
+            options["layout"] = "time_first"  # a raw loop's rollout, stored [T, E]
+        elif options.get("layout") in ("step", "stream_key"):
             options.pop("layout")
         repair = cls(**options)
         repair._origin = reading.why
