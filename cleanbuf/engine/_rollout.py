@@ -33,11 +33,12 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from cleanbuf.engine._checks import lost_policy
 from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._compat import new_tensordict
 from cleanbuf.engine._errors import LayoutError
 from cleanbuf.engine._kernels import RELEASED_LOST
-from cleanbuf.engine._keys import DONE_KEYS
+from cleanbuf.engine._keys import DONE_KEYS, observation_keys
 from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._patch import fill_rows, fix_bookkeeping, set_rows
@@ -299,15 +300,12 @@ class Rollouts:
         """
         if self._held is None:
             return None
-        carry = self.cleaner._carry
-        streams = carry.held_stream
-        policy = "keep"
+        streams = self.cleaner._carry.held_stream  # the held column's waiting rows
         if len(streams):
-            from cleanbuf.engine._checks import lost_policy
-
-            held = self._held
-            keys = self.cleaner._observation_keys(held.tensors)[0]
-            policy = lost_policy(self.options, keys, held.tensors, len(streams), False)
+            held, opts = self._held, self.options
+            bookkeeping = {k for k in (opts.is_init_key, opts.step_count_key) if k}
+            keys = observation_keys(held.tensors, opts.observation_keys, bookkeeping)[0]
+            policy = lost_policy(opts, keys, held.tensors, len(streams), False)
             self.cleaner.flush()  # forgets its held rows (ours are the ones returned)
             self._lost(held, streams, keys, policy)
             self._stats["terminal_obs_missing"] += len(streams)
