@@ -371,3 +371,28 @@ def test_for_env_reads_a_raw_vector_env_as_time_first():
     envs.close()
     assert "layout='time_first'" in repr(repair)
     assert repair.options.mode == "next_step" and repair.options.terminal_obs_in_done_row
+
+
+def test_batch_end_marks_are_undone(cartpole):
+    """Bugs caught: a collector's batch-end truncation marks
+    (Collector(set_truncated=True)) left as episode ends once their column
+    is no batch end any more (GAE then bootstraps there instead of chaining:
+    advantages off), or a real end on a batch's last step taken for a mark.
+    """
+    raw, _, _, _ = cartpole
+    marked = []
+    for batch in raw:
+        b = batch.clone()
+        for key in ("truncated", "done"):
+            b["next", key][:, -1] = True  # what set_truncated=True writes
+        marked.append(b)
+    plain = RolloutRepair(joint_reset=True)
+    repair = RolloutRepair(joint_reset=True, set_truncated=True)
+    for b, m in zip(raw, marked, strict=True):
+        want, got = plain(b), repair(m)
+        # a terminated row keeps the mark's truncated flag (the env may set
+        # both), which no estimator reads: terminated cuts and does not bootstrap
+        terminated = want["next", "terminated"]
+        assert torch.equal(got["next", "truncated"] & ~terminated, want["next", "truncated"])
+        assert (got.exclude(("next", "truncated")) == want.exclude(("next", "truncated"))).all()
+    assert repair.stats["episodes_completed"] == plain.stats["episodes_completed"]

@@ -37,7 +37,7 @@ from cleanbuf.engine._checks import lost_policy
 from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._compat import new_tensordict
 from cleanbuf.engine._errors import LayoutError
-from cleanbuf.engine._kernels import RELEASED_LOST
+from cleanbuf.engine._kernels import RELEASED_AS_IS, RELEASED_LOST
 from cleanbuf.engine._keys import DONE_KEYS, observation_keys
 from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
@@ -232,10 +232,23 @@ class Rollouts:
             if got.any():
                 set_rows(held.views, ("next", *k), streams[got], call.views, k, src[got])
         self._lost(held, lost, call.obs_keys, plan.policy)
+        self._unmark(held, streams[src == RELEASED_AS_IS])
         counts["next_obs_restitched"] += int(got.sum())
         counts["terminal_obs_missing"] += plan.release.n_terminal_lost
         counts["next_obs_missing"] += plan.release.n_lost - plan.release.n_terminal_lost
         return held
+
+    def _unmark(self, rows: _Rows, marks: np.ndarray) -> None:
+        """A collector's batch-end marks that were no episode end: not done.
+
+        The held column is no batch end any more, so the estimators must
+        chain through these rows as through any other step of the episode.
+        """
+        if not len(marks):
+            return
+        for key in (DONE_KEYS[0], DONE_KEYS[2], self.options.done_key):
+            if key is not None and key in rows.tensors:
+                fill_rows(rows.views, key, marks, False)
 
     # ---------------------------------------------------------- the output
     def _emit(self, td: TensorDictBase, rows: _Rows, hold: bool, counts: dict):

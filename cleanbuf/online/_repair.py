@@ -45,7 +45,12 @@ class RolloutRepair:
       skip it (their default ``loss_mask_key="auto"`` reads the mask), and
       so does ``batch[batch["collector", "mask"]]``;
     * ``is_init`` and the step counts are those of the explicit-reset run
-      on the valid rows.
+      on the valid rows;
+    * a collector's batch-end truncation mark (``Collector(set_truncated=
+      True)``, with ``set_truncated=True``) waits in the held column until
+      its stream's next row says whether it ended an episode; if not, the
+      row is returned not done, so the estimators chain through it (a
+      terminated row keeps the mark's truncated flag, which they ignore).
 
     **Shape.** Where the filter would hold a done row on a batch's last step
     until its reset row comes (TorchRL collectors, whose done rows lack the
