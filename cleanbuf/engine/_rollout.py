@@ -284,7 +284,9 @@ class Rollouts:
         batch = torch.Size([*self._shape, steps])
         nested: dict = {}
         leaves = dict(rows.tensors)
-        leaves[self.mask_key] = torch.from_numpy(rows.kind == VALID)
+        mask = torch.from_numpy(rows.kind == VALID)
+        # on the rows' device (a collector's batch may have none, its leaves on a GPU)
+        leaves[self.mask_key] = mask.to(device or next(iter(leaves.values()), mask).device)
         for k, v in leaves.items():
             node = nested
             for part in k[:-1]:
