@@ -20,7 +20,9 @@ from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
 from cleanbuf import CleanbufWarning, InputError, LayoutError, RolloutRepair
+from tests.batches import grid_td
 from tests.oracle import collect, make_env
+from tests.reference import simulate
 from tests.rollout_helpers import (
     ESTIMATORS,
     actor,
@@ -396,3 +398,19 @@ def test_batch_end_marks_are_undone(cartpole):
         assert torch.equal(got["next", "truncated"] & ~terminated, want["next", "truncated"])
         assert (got.exclude(("next", "truncated")) == want.exclude(("next", "truncated"))).all()
     assert repair.stats["episodes_completed"] == plain.stats["episodes_completed"]
+
+
+def test_observation_only_rows_get_their_next_observations():
+    """Bugs caught: observation-only batches (Collector(compact_obs=True):
+    no ("next", "observation")) returned without next observations, or with
+    a stream's last row never completed across the batch boundary.
+    """
+    raw, _ = simulate(np.random.default_rng(1), 3, 24, max_len=5)
+    full, obs_only = grid_td(raw, (3,)), grid_td(raw, (3,), obs_only=True)
+    a, b = RolloutRepair(), RolloutRepair(observation_keys=["observation"])
+    for t in range(0, 24, 8):
+        want, got = a(full[:, t : t + 8]), b(obs_only[:, t : t + 8])
+        mask = want[MASK]
+        assert torch.equal(got[MASK], mask) and not mask.all()
+        assert torch.equal(got["next", "observation"][mask], want["next", "observation"][mask])
+    assert _identity(b.stats) and b.stats["reset_rows_masked"] == a.stats["reset_rows_masked"]

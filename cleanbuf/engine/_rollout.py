@@ -142,7 +142,8 @@ class Rollouts:
         n = call.layout.n_rows
         rows = _Rows({k: call.views.flat(k).clone() for k in call.moved}, np.zeros(n, np.int8))
         if call.carry is None:  # disabled mode: nothing to repair
-            return self._emit(td, rows, hold=False, counts={})
+            done = {"episodes_completed": np.count_nonzero(call.done)}
+            return self._emit(td, rows, hold=False, counts=done)
         call.rules = call.rules._replace(drop_lost=False)  # lost rows are masked, not gone
         plan = cleaner._plan(call)
         counts = self._patch(call, plan, rows)
