@@ -15,7 +15,9 @@ Tasks: SAC on ``Pendulum-v1`` (fixed horizon: every episode ends by the
 (terminations at different steps: reset rows). Per run it records the
 greedy policy's return over training and, at the end, the Bellman error
 of the learned Q on explicit-reset data, on the episode-end rows (where the
-dirty data differs) and on the others.
+dirty data differs) and on the others. On-policy: PPO (``ClipPPOLoss`` and
+``GAE``) on both envs, with ``RolloutRepair`` as the cleaned form and the
+advantage error on the episode-end rows (``bench/impact_ppo.py``).
 
 Run ``python -m bench.impact`` (about an hour on 2 cores) or
 ``python -m bench.impact --quick`` (a smoke run of a few minutes). Writes
@@ -57,6 +59,7 @@ from torchrl.modules import (
 from torchrl.objectives import DQNLoss, SACLoss, SoftUpdate
 
 import cleanbuf
+from bench.impact_ppo import PPO_TASKS, ppo_table, run_ppo
 from cleanbuf import AutoresetFilter, CleanbufWarning
 
 VARIANTS = ("torchrl", "cleanbuf", "oracle")
@@ -186,6 +189,8 @@ def _q(task: Task, loss, obs, action):
 
 def run(task_name: str, variant: str, seed: int, quick: bool) -> dict:
     """Trains one agent; returns its curve, final return and Bellman errors."""
+    if task_name in PPO_TASKS:
+        return run_ppo(task_name, variant, seed, quick, _greedy_return)
     task = TASKS[task_name]
     if quick:
         short = {"frames": task.frames // 10, "random_frames": task.random_frames // 10, "evals": 2}
@@ -286,7 +291,7 @@ def paired(results: list[dict]) -> str:
     initial weights), so the paired difference is the sharper comparison.
     """
     lines = ["| task | difference | per seed | mean ± 95% CI |", "|---|---|---|---|"]
-    for task in TASKS:
+    for task in [*TASKS, *PPO_TASKS]:
         by = {(r["variant"], r["seed"]): r["final_return"] for r in results if r["task"] == task}
         seeds = sorted({s for _, s in by})
         for a, b in (("torchrl", "cleanbuf"), ("torchrl", "oracle"), ("cleanbuf", "oracle")):
@@ -306,8 +311,9 @@ def plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(TASKS), figsize=(5 * len(TASKS), 3.6))
-    for ax, task in zip(axes, TASKS, strict=True):
+    tasks = [t for t in [*TASKS, *PPO_TASKS] if any(r["task"] == t for r in results)]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
         for variant in VARIANTS:
             rs = [r for r in results if r["task"] == task and r["variant"] == variant]
             if not rs:
@@ -328,7 +334,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1/10 of the frames")
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--tasks", nargs="*", default=list(TASKS))
+    parser.add_argument("--tasks", nargs="*", default=[*TASKS, *PPO_TASKS])
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -339,10 +345,12 @@ def main() -> None:
             for variant in VARIANTS:
                 r = run(task, variant, seed, args.quick)
                 results.append(r)
+                err = r.get("bellman_error") or r["advantage_error"]
+                kind = "Bellman" if "bellman_error" in r else "advantage"
                 print(
                     f"{task} {variant} seed {seed}: return {r['final_return']:.1f}, "
-                    f"Bellman error end/other {r['bellman_error']['end_rows']:.2f}/"
-                    f"{r['bellman_error']['other_rows']:.2f}, {r['seconds']:.0f} s",
+                    f"{kind} error end/other {err['end_rows']:.3f}/"
+                    f"{err['other_rows']:.3f}, {r['seconds']:.0f} s",
                     flush=True,
                 )
     meta = {
@@ -361,6 +369,7 @@ def main() -> None:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     plot(results, os.path.join(args.out, f"{name}.png"))
     print(table(results))
+    print(ppo_table(results, _interval))
     print(paired(results))
 
 

@@ -10,6 +10,9 @@ The public API:
 * :func:`audit`: what auto-reset artifacts stored data holds (also the
   ``cleanbuf audit`` / ``cleanbuf clean`` command line).
 * :func:`step_rows`: one raw vector-env step as the rows the filter expects.
+* :class:`RolloutRepair`: the same cleaning for on-policy learners: the
+  collector's ``[*E, T]`` batch repaired in place (time axis kept, reset rows
+  masked), so that GAE and the PPO loss equal the explicit-reset run.
 * :func:`lossless_gym_env`: TorchRL's ``GymEnv(name, num_envs=N)`` on a
   vector env that loses no terminal observation (no filter needed).
 * the errors, all ``ValueError`` subclasses.
@@ -28,6 +31,7 @@ from cleanbuf.engine._errors import (
 from cleanbuf.offline import audit
 from cleanbuf.offline._clean import clean
 from cleanbuf.online._lossless import lossless_gym_env
+from cleanbuf.online._repair import RolloutRepair
 from cleanbuf.online._rows import step_rows
 from cleanbuf.online._transform import AutoresetFilter
 
@@ -39,6 +43,7 @@ __all__ = [
     "InputError",
     "LayoutError",
     "ResetRowError",
+    "RolloutRepair",
     "TerminalObservationLostError",
     "audit",
     "clean",

@@ -1,0 +1,368 @@
+"""Rollouts kept whole: the cleaner's plan written into the batch, time axis kept.
+
+The filter's output form drops rows; on-policy learners need the ``[*E, T]``
+batch their value estimators walk. This second output form reads and plans a
+call with the same :class:`~cleanbuf.engine._cleaner.Cleaner` (the same
+kernel decides the reset rows, the terminal observations, the held rows and
+the bookkeeping fixes) and writes the plan into a copy of every row instead
+of moving the kept ones:
+
+* a done row gets its terminal observation (from its reset row, or from
+  its final-observation entry in same-step data);
+* a reset row stays in place, made inert for every value estimator (done
+  and terminated, not truncated, reward 0: it neither continues the old
+  episode nor bootstraps into the new one) and masked;
+* ``is_init`` and the step counts are fixed on the valid rows;
+* a row whose terminal observation is lost follows the lost-observation
+  policy: NaN (never a zero to bootstrap from), masked (``"drop"``: see
+  :class:`Rollouts`), or kept as stored;
+* where the filter holds a done row until the next call (its reset row is
+  the next call's first row), the call's whole last column waits: call ``k``
+  returns the column held by call ``k - 1`` and its own first ``T - 1``
+  steps, so every returned batch stays a rectangle and every done row in it
+  is complete.
+
+Nothing here knows TorchRL: :class:`cleanbuf.RolloutRepair` is the shell.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from cleanbuf.engine._checks import lost_policy
+from cleanbuf.engine._cleaner import Cleaner
+from cleanbuf.engine._compat import new_tensordict
+from cleanbuf.engine._errors import LayoutError
+from cleanbuf.engine._kernels import RELEASED_AS_IS, RELEASED_LOST
+from cleanbuf.engine._keys import DONE_KEYS, observation_keys
+from cleanbuf.engine._move import Views
+from cleanbuf.engine._options import Options
+from cleanbuf.engine._patch import fill_rows, fix_bookkeeping, set_rows
+
+# What each returned row is (int8 per row).
+VALID, RESET, LOST = 0, 1, 2
+ROLLOUT_STATS = (
+    "rows_in",
+    "rows_out",
+    "reset_rows_masked",
+    "lost_rows_masked",
+    "rows_held",
+    "next_obs_restitched",
+    "terminal_obs_missing",
+    "next_obs_missing",
+    "episodes_completed",
+)
+MASK_KEY = ("collector", "mask")
+
+
+class _Rows:
+    """Flat rows of a batch (copies, patched in place) and what each row is."""
+
+    def __init__(self, tensors: dict, kind: np.ndarray):
+        self.views = Views(tensors, 1, len(kind))
+        self.kind = kind
+
+    @property
+    def tensors(self) -> dict:
+        return self.views.tensors
+
+    def take(self, rows: np.ndarray) -> _Rows:
+        idx = torch.from_numpy(rows)
+        tensors = {k: v.index_select(0, idx.to(v.device)) for k, v in self.tensors.items()}
+        return _Rows(tensors, self.kind[rows])
+
+
+class Rollouts:
+    """The cleaner's second output form: batches ``[*E, T]`` repaired in place.
+
+    The engine of :class:`cleanbuf.RolloutRepair` (documented there). Each
+    call takes a time-last batch ``[*E, T]`` (a 1-D batch named ``["time"]``
+    is one stream) and returns one of the same streams, every row marked in
+    ``mask_key`` (True: a transition of the explicit-reset run).
+
+    Lost terminal observations under ``on_lost_terminal_obs="drop"`` are
+    masked, and their next observation becomes their own observation: the
+    estimators bootstrap that row, and through it the earlier rows of its
+    episode (which stay valid), from ``V(s_{T-1})`` instead of ``V(s_T)``,
+    as TorchRL's ``GAE(auto_reset_env=True)`` does (a terminated row is not
+    bootstrapped, so it is exact).
+
+    Args:
+        options: the cleaner's options (time-last layout).
+        mask_key: where the validity mask goes.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> rep = Rollouts(Options.build("next_step"))
+        >>> batch = TensorDict({  # [E=1, T=4]: done at t=1, reset row at t=2
+        ...     "observation": torch.tensor([[[0.0], [1.0], [2.0], [10.0]]]),
+        ...     ("next", "observation"): torch.tensor([[[1.0], [0.0], [10.0], [11.0]]]),
+        ...     ("next", "reward"): torch.tensor([[[1.0], [1.0], [0.0], [1.0]]]),
+        ...     ("next", "done"): torch.tensor([[[False], [True], [False], [False]]]),
+        ... }, batch_size=[1, 4])
+        >>> out = rep(batch)  # the last column waits for the next call
+        >>> out["next", "observation"].flatten().tolist()  # terminal obs 2 restored
+        [1.0, 2.0, 10.0]
+        >>> out["collector", "mask"].tolist(), out["next", "done"].flatten().tolist()
+        ([[True, True, False]], [False, True, True])
+        >>> rep.flush()["observation"].flatten().tolist()
+        [10.0]
+    """
+
+    def __init__(self, options: Options, mask_key: tuple = MASK_KEY):
+        self.cleaner = Cleaner(options)
+        self.mask_key = mask_key
+        self._held: _Rows | None = None  # the waiting last column, patched
+        self._shape: tuple | None = None  # the streams' shape [*E]
+        self._stats = dict.fromkeys(ROLLOUT_STATS, 0)
+        self._names = None
+
+    @property
+    def stats(self) -> dict:
+        """The counters (plain ints).
+
+        ``rows_in == rows_out + reset_rows_masked + lost_rows_masked + rows_held``.
+        """
+        return dict(self._stats)
+
+    @property
+    def options(self) -> Options:
+        return self.cleaner.options
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        """Repairs one batch ``[*E, T]``; returns ``[*E, T']`` (see the module)."""
+        self._check_shape(td)
+        cleaner = self.cleaner
+        call = cleaner._read(td)
+        n = call.layout.n_rows
+        rows = _Rows({k: call.views.flat(k).clone() for k in call.moved}, np.zeros(n, np.int8))
+        if call.carry is None:  # disabled mode: nothing to repair
+            done = {"episodes_completed": np.count_nonzero(call.done)}
+            return self._emit(td, rows, hold=False, counts=done)
+        call.rules = call.rules._replace(drop_lost=False)  # lost rows are masked, not gone
+        plan = cleaner._plan(call)
+        counts = self._patch(call, plan, rows)
+        held = self._release(call, plan, counts)
+        hold = plan.sel.hold
+        new_held = {}
+        if len(hold):
+            idx = torch.from_numpy(hold)
+            new_held = {k: call.views.flat(k).index_select(0, idx.to(v.device))
+                        for k, v in call.moved.items()}  # fmt: skip
+        cleaner._commit(call, plan, new_held)  # nothing raises from here on
+        self._held = held
+        counts["episodes_completed"] = plan.n_done
+        return self._emit(td, rows, hold=call.rules.hold_done, counts=counts)
+
+    # ----------------------------------------------------------- the patches
+    def _patch(self, call, plan, rows: _Rows) -> dict:
+        """Writes the plan into the copies of the call's rows; returns the counts."""
+        opts, sel, views = self.options, plan.sel, call.views
+        emit = sel.emit
+        kind = rows.kind
+        kind[:] = RESET
+        kind[emit] = VALID
+        kind[sel.hold] = VALID
+        stitched, lost, final = emit[sel.stitched], emit[sel.lost], emit[sel.final]
+        if call.obs_only:
+            for k in call.obs_keys:
+                rows.tensors[("next", *k)] = torch.zeros_like(rows.tensors[k])
+        for k in call.obs_keys:
+            nk = ("next", *k)
+            if len(stitched):
+                set_rows(rows.views, nk, stitched, views, k, sel.stitched_src)
+            if len(final):
+                set_rows(rows.views, nk, final, views, call.final_of[k], final)
+        self._lost(rows, lost, call.obs_keys, plan.policy)
+        init = np.concatenate([emit[sel.emit_init], sel.hold[sel.hold_init]])
+        shift = np.zeros(call.layout.n_rows, np.int64)
+        if len(sel.emit_shift):
+            shift[emit] = sel.emit_shift
+        if len(sel.hold_shift):
+            shift[sel.hold] = sel.hold_shift
+        keys = (opts.is_init_key, opts.step_count_keys)
+        fix_bookkeeping(rows.views, 0, init, shift if shift.any() else shift[:0], *keys)
+        self._make_inert(rows, np.flatnonzero(kind == RESET))
+        return {
+            "next_obs_restitched": len(stitched) + len(final),
+            "terminal_obs_missing": plan.n_lost,
+            "next_obs_missing": plan.n_next_lost,
+        }
+
+    def _lost(self, rows: _Rows, lost: np.ndarray, obs_keys: list, policy: str) -> None:
+        """Applies the lost-observation policy to ``lost`` rows (see :class:`Rollouts`)."""
+        if not len(lost) or policy == "keep":
+            return
+        for k in obs_keys:
+            if policy == "nan":
+                fill_rows(rows.views, ("next", *k), lost, math.nan)
+            else:  # "drop": masked, bootstrapped from its own observation
+                set_rows(rows.views, ("next", *k), lost, rows.views, k, lost)
+        if policy == "drop":
+            rows.kind[lost] = LOST
+
+    def _make_inert(self, rows: _Rows, reset: np.ndarray) -> None:
+        """Reset rows: done and terminated, not truncated, reward 0 (masked)."""
+        if not len(reset):
+            return
+        t = rows.tensors
+        opts = self.options
+        done_keys = {*DONE_KEYS[:2], *((opts.done_key,) if opts.done_key else ())}
+        for key in done_keys:
+            if key in t:
+                fill_rows(rows.views, key, reset, True)
+        if DONE_KEYS[2] in t:
+            fill_rows(rows.views, DONE_KEYS[2], reset, False)
+        if opts.reward_key in t:
+            fill_rows(rows.views, opts.reward_key, reset, 0)
+
+    def _release(self, call, plan, counts: dict) -> _Rows | None:
+        """The held column, its waiting rows completed from this call (a copy)."""
+        held, streams = self._held, call.carry.held_stream
+        if held is None or not len(streams):
+            return held
+        src = plan.released_src[streams]
+        held = _Rows({k: v.clone() for k, v in held.tensors.items()}, held.kind.copy())
+        got, lost = src >= 0, streams[src == RELEASED_LOST]
+        for k in call.obs_keys:
+            if got.any():
+                set_rows(held.views, ("next", *k), streams[got], call.views, k, src[got])
+        self._lost(held, lost, call.obs_keys, plan.policy)
+        self._unmark(held, streams[src == RELEASED_AS_IS])
+        counts["next_obs_restitched"] += int(got.sum())
+        counts["terminal_obs_missing"] += plan.release.n_terminal_lost
+        counts["next_obs_missing"] += plan.release.n_lost - plan.release.n_terminal_lost
+        return held
+
+    def _unmark(self, rows: _Rows, marks: np.ndarray) -> None:
+        """A collector's batch-end marks that were no episode end: not done.
+
+        The held column is no batch end any more, so the estimators must
+        chain through these rows as through any other step of the episode.
+        """
+        if not len(marks):
+            return
+        for key in (DONE_KEYS[0], DONE_KEYS[2], self.options.done_key):
+            if key is not None and key in rows.tensors:
+                fill_rows(rows.views, key, marks, False)
+
+    # ---------------------------------------------------------- the output
+    def _emit(self, td: TensorDictBase, rows: _Rows, hold: bool, counts: dict):
+        """Commits the counts; returns held column + rows, the last column held."""
+        self._shape = shape = tuple(td.batch_size[:-1])
+        steps = td.batch_size[-1]
+        n_streams = int(np.prod(shape, dtype=np.int64))
+        if hold:
+            last = np.arange(steps - 1, n_streams * steps, steps)
+            out = rows.take(np.setdiff1d(np.arange(n_streams * steps), last))
+            new_held, steps = rows.take(last), steps - 1
+        else:
+            out, new_held = rows, None
+        if self._held is not None:
+            out = _interleave(self._held, out, n_streams, steps)
+            steps += 1
+        self._held = new_held
+        s = self._stats
+        s["rows_in"] += n_streams * td.batch_size[-1]
+        for k, v in counts.items():
+            s[k] += int(v)
+        self._count_out(out.kind)
+        s["rows_held"] = 0 if new_held is None else len(new_held.kind)
+        return self._as_batch(out, td.device, steps)
+
+    def _count_out(self, kind: np.ndarray) -> None:
+        s = self._stats
+        s["rows_out"] += int(np.count_nonzero(kind == VALID))
+        s["reset_rows_masked"] += int(np.count_nonzero(kind == RESET))
+        s["lost_rows_masked"] += int(np.count_nonzero(kind == LOST))
+
+    def _as_batch(self, rows: _Rows, device, steps: int) -> TensorDictBase:
+        batch = torch.Size([*self._shape, steps])
+        nested: dict = {}
+        leaves = dict(rows.tensors)
+        mask = torch.from_numpy(rows.kind == VALID)
+        # on the rows' device (a collector's batch may have none, its leaves on a GPU)
+        leaves[self.mask_key] = mask.to(device or next(iter(leaves.values()), mask).device)
+        for k, v in leaves.items():
+            node = nested
+            for part in k[:-1]:
+                node = node.setdefault(part, {})
+            node[k[-1]] = v.reshape(*batch, *v.shape[1:]).to(device or v.device)
+        return new_tensordict(nested, batch, device)
+
+    def _check_shape(self, td: TensorDictBase) -> None:
+        if not isinstance(td, TensorDictBase) or td.batch_dims == 0:
+            return  # the cleaner's read says what is wrong
+        shape = tuple(td.batch_size[:-1])
+        if self._shape is not None and shape != self._shape:
+            raise LayoutError(
+                f"the streams changed: earlier batches had {list(self._shape)} streams "
+                f"before the time dimension, this one has batch_size={list(td.batch_size)}. "
+                "Repair each producer's batches with its own RolloutRepair, or flush() "
+                "and build a new one. Nothing was changed."
+            )
+
+    # ------------------------------------------------------ flush and state
+    def flush(self) -> TensorDictBase | None:
+        """Returns the held column ``[*E, 1]`` (None when nothing is held).
+
+        Its done rows still waiting for their reset row lose their terminal
+        observation (the lost-observation policy applies, counted).
+        """
+        if self._held is None:
+            return None
+        streams = self.cleaner._carry.held_stream  # the held column's waiting rows
+        if len(streams):
+            held, opts = self._held, self.options
+            bookkeeping = {k for k in (opts.is_init_key, opts.step_count_key) if k}
+            keys = observation_keys(held.tensors, opts.observation_keys, bookkeeping)[0]
+            policy = lost_policy(opts, keys, held.tensors, len(streams), False)
+            self.cleaner.flush()  # forgets its held rows (ours are the ones returned)
+            self._lost(held, streams, keys, policy)
+            self._stats["terminal_obs_missing"] += len(streams)
+        held, self._held = self._held, None
+        self._count_out(held.kind)
+        self._stats["rows_held"] = 0
+        return self._as_batch(held, None, 1)
+
+    def state_dict(self) -> dict:
+        """The cleaner's state, the held column and the counters (picklable)."""
+        held = self._held
+        return {
+            "cleaner": self.cleaner.state_dict(),
+            "held": None if held is None else {k: v.clone() for k, v in held.tensors.items()},
+            "held_kind": None if held is None else torch.from_numpy(held.kind.copy()),
+            "shape": None if self._shape is None else list(self._shape),
+            "stats": dict(self._stats),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what :meth:`state_dict` returned."""
+        self.cleaner.load_state_dict(state["cleaner"])
+        held = state["held"]
+        self._held = (
+            None
+            if held is None
+            else _Rows({tuple(k): v.clone() for k, v in held.items()}, state["held_kind"].numpy())
+        )
+        self._shape = None if state["shape"] is None else tuple(state["shape"])
+        self._stats = dict.fromkeys(ROLLOUT_STATS, 0) | dict(state["stats"])
+
+
+def _interleave(head: _Rows, body: _Rows, n_streams: int, steps: int) -> _Rows:
+    """Per stream, the head's row then the body's ``steps`` rows (flat, time last)."""
+    tensors = {}
+    for k, v in body.tensors.items():
+        h = head.tensors[k].to(v.device)
+        a = torch.cat([h.reshape(n_streams, 1, *h.shape[1:]),
+                       v.reshape(n_streams, steps, *v.shape[1:])], dim=1)  # fmt: skip
+        tensors[k] = a.reshape(n_streams * (steps + 1), *v.shape[1:])
+    kind = np.concatenate(
+        [head.kind.reshape(n_streams, 1), body.kind.reshape(n_streams, steps)], axis=1
+    )
+    return _Rows(tensors, kind.reshape(-1))
