@@ -145,14 +145,15 @@ def _final_keys(td):
     return {k for k in td.keys(True, True) if k[-1] in ("final_obs", "_final_obs")}
 
 
-def test_step_rows_with_info_adds_final_columns_only_where_they_are():
+def test_step_rows_info_always_passed_stores_no_dead_column():
     """Real ``gymnasium.make_vec`` loops, the info always passed to
-    ``step_rows``. Next-step: no step gets final-observation columns, and
-    the filtered buffer stores what it stores without the info. Same-step:
-    the steps where an env ended carry its terminal observation, which the
-    filter puts in the done row. Bugs caught: a next-step info adding an
-    always-zero ``("next", "final_obs")`` and an always-False
-    ``("next", "_final_obs")`` column to every row (and to the buffer);
+    ``step_rows``. Next-step: the filtered buffer stores what it stores
+    without the info, and no final-observation column. Same-step: the steps
+    stack into [E, T] (every step has the same keys) and the filter puts
+    each terminal observation in its done row. Bugs caught: a next-step
+    info adding an always-zero ``("next", "final_obs")`` and an
+    always-False ``("next", "_final_obs")`` column to the buffer; same-step
+    steps whose keys differ with whether an env ended (torch.stack fails);
     a same-step terminal observation not read from the info.
     """
     import gymnasium as gym
@@ -168,7 +169,7 @@ def test_step_rows_with_info_adds_final_columns_only_where_they_are():
         mode = gym.vector.AutoresetMode.NEXT_STEP
         venv, steps = run_loop(name, kwargs, policy, 3, 40, mode, rb, with_info=with_info)
         venv.close()
-        assert not any(_final_keys(s) for s in steps)
+        assert all(_final_keys(s) for s in steps) == with_info
         stored[with_info] = rb[: len(rb)]
     assert filt.stats["reset_rows_dropped"] > 0
     assert not _final_keys(stored[True])
@@ -179,11 +180,11 @@ def test_step_rows_with_info_adds_final_columns_only_where_they_are():
     mode = gym.vector.AutoresetMode.SAME_STEP
     venv, steps = run_loop(name, kwargs, policy, 3, 40, mode, rb, with_info=True)
     venv.close()
-    ended = [s for s in steps if s["next", "done"].any()]
-    assert ended and all(_final_keys(s) for s in ended)
-    assert not any(_final_keys(s) for s in steps if not s["next", "done"].any())
+    stacked = torch.stack(steps, dim=1)  # [E, T]: a T-steps loop's extend
+    ended = stacked["next", "done"].reshape(-1)
+    assert ended.any() and torch.equal(stacked["next", "_final_obs"].reshape(-1), ended)
     rows = rb[: len(rb)]
     assert not _final_keys(rows) and len(rows) == 3 * 40
     done = rows["next", "done"].reshape(-1)
-    finals = torch.cat([s["next", "final_obs"][s["next", "done"].reshape(-1)] for s in ended])
+    finals = torch.cat([s["next", "final_obs"][s["next", "done"].reshape(-1)] for s in steps])
     torch.testing.assert_close(rows["next", "observation"][done], finals)

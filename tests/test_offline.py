@@ -527,8 +527,7 @@ def test_raw_gymnasium_same_step_loop(with_info):
     venv.close()
     report = audit(rb)
     assert (report.envs, report.steps, report.mode, report.reset_rows) == (E, 1, "same_step", 0)
-    # done rows with a row after them (only steps where an env ended carry final_obs)
-    ends = torch.stack([s["next", "done"] for s in steps])[:-1]
+    ends = torch.stack(steps)["next", "done"][:-1]  # done rows with a row after them
     assert report.next_obs_is_reset == int(ends.sum()) > 0
     if with_info:
         want, stats = _filtered(steps, mode="same_step", layout="step")

@@ -325,3 +325,28 @@ def final_entries(
             )
         present = mask.reshape(n_rows).cpu().numpy()
     return final_of, present, entry_keys
+
+
+def without_empty_final_entry(leaves: dict, declared: tuple | None) -> dict:
+    """``leaves`` without a final-observation entry whose mask says it holds nothing.
+
+    Outside same-step mode a final-observation entry has no use; the one
+    :func:`cleanbuf.step_rows` writes from a next-step producer's info is
+    empty (its mask all False), and is not stored. An entry with any
+    observation in it is kept: nothing collected is dropped.
+
+    Examples:
+        >>> leaves = {("obs",): torch.zeros(2), ("next", "final_obs"): torch.zeros(2),
+        ...           ("next", "_final_obs"): torch.zeros(2, dtype=torch.bool)}
+        >>> sorted(without_empty_final_entry(leaves, None))
+        [('obs',)]
+    """
+    for prefix in [declared] if declared is not None else FINAL_KEYS:
+        mask = leaves.get((*prefix[:-1], "_" + prefix[-1]))
+        if mask is None:
+            continue
+        if mask.dtype != torch.bool or bool(mask.any()):
+            return leaves
+        entry = (*prefix[:-1], "_" + prefix[-1])
+        return {k: v for k, v in leaves.items() if k != entry and k[: len(prefix)] != prefix}
+    return leaves

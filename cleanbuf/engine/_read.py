@@ -28,6 +28,7 @@ from cleanbuf.engine._keys import (
     done_flags,
     final_entries,
     observation_keys,
+    without_empty_final_entry,
 )
 from cleanbuf.engine._layout import CallLayout, resolve
 from cleanbuf.engine._move import Views
@@ -114,6 +115,8 @@ class Reader:
         leaves = batch_leaves(td)  # as stored; read as rows through views
         views = Views(leaves, td.batch_dims, layout.n_rows)
         call = Call(td.device, layout, views, done_flags(views, opts.done_key), moved=leaves)
+        if opts.mode != "same_step":
+            call.moved = without_empty_final_entry(leaves, opts.final_obs_key)
         if opts.mode == "disabled":
             return call
         call.obs_keys, call.obs_only = self._observation_keys(leaves)

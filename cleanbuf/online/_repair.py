@@ -208,8 +208,6 @@ class RolloutRepair:
             options.pop("layout")
         repair = cls(**options)
         repair._origin = reading.why
-        if reading.warning is not None and "on_lost_terminal_obs" not in overrides:
-            warnings.warn(CleanbufWarning(reading.warning), stacklevel=2)
         return repair
 
     @property

@@ -39,9 +39,7 @@ def _final_from_info(info: Any, next_obs: Any, n: int):
 
     Returns:
         ``(final, present)``: the terminal observations shaped like
-        ``next_obs`` (zeros where absent), and the bool mask ``[n]``; None
-        when the info holds no terminal observation (a next-step
-        producer's info, or a same-step step where no env ended).
+        ``next_obs`` (zeros where absent), and the bool mask ``[n]``.
     """
     entries: list = [None] * n
     if isinstance(info, Mapping):
@@ -62,8 +60,6 @@ def _final_from_info(info: Any, next_obs: Any, n: int):
             f"got {type(info).__name__}."
         )
     present = np.array([e is not None for e in entries], bool)
-    if not present.any():
-        return None
 
     def fill(template: Any, pick):
         if isinstance(template, Mapping):
@@ -119,22 +115,24 @@ def step_rows(
         truncated: truncations ``[E]``; None for Stable-Baselines3, where they
             are read from the infos' ``"TimeLimit.truncated"`` (and removed
             from ``terminated``).
-        info: the step's info; always pass it. Where it holds terminal
-            observations (same-step producers: Gymnasium
-            ``info["final_obs"]`` on a step where an env ended,
-            Stable-Baselines3 ``infos[i]["terminal_observation"]``), they
-            become ``("next", "final_obs")`` with the mask
-            ``("next", "_final_obs")``, which the filter reads and does not
-            store (unless ``keep_final_obs=True``). Otherwise (next-step
-            producers, EnvPool, a step where no env ended) no such column is
-            added. Required (for the truncations) when ``truncated`` is None.
+        info: the step's info; always pass it. The terminal observations
+            it holds (same-step producers: Gymnasium ``info["final_obs"]`` on
+            a step where an env ended, Stable-Baselines3
+            ``infos[i]["terminal_observation"]``) become
+            ``("next", "final_obs")`` with the mask ``("next", "_final_obs")``
+            (False where it holds none), on every step, so that steps stack
+            into ``[E, T]``. The filter reads them and stores neither column
+            (a same-step filter unless ``keep_final_obs=True``; a next-step
+            one whenever the mask is all False, as a next-step producer's
+            info leaves it). Required (for the truncations) when
+            ``truncated`` is None.
         env_ids: also store each row's env index as ``"env_id"``.
 
     Returns:
         A TensorDict ``[E]`` with ``observation``, ``action`` and ``next``:
         ``observation``, ``reward`` ``[E, 1]``, ``terminated``, ``truncated``,
-        ``done`` (``[E, 1]`` booleans), and the final-observation entry
-        where the info holds one.
+        ``done`` (``[E, 1]`` booleans), and with ``info`` the
+        final-observation entry and its mask.
 
     Examples:
         >>> import gymnasium as gym
