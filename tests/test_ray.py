@@ -11,6 +11,8 @@ session (``ray.init(num_cpus=2)``) serves the module.
 from __future__ import annotations
 
 import functools
+import threading
+import time
 import warnings
 
 import pytest
@@ -18,6 +20,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 from torchrl.collectors.distributed import RayCollector  # noqa: E402
+from torchrl.collectors.distributed.ray import DEFAULT_REMOTE_CLASS_CONFIG  # noqa: E402
 from torchrl.data import LazyTensorStorage, RayReplayBuffer, ReplayBuffer  # noqa: E402
 
 from cleanbuf import AutoresetFilter, CleanbufError  # noqa: E402
@@ -342,4 +345,44 @@ def test_actor_losses_warn_on_the_driver():
             collector.shutdown()
         _check_loss_warning(filt, rb)
     finally:
+        rb.close()
+
+
+def test_two_collectors_and_the_buffer_fit_two_cpus(oracle):
+    """The documented resources on ``ray.init(num_cpus=2)``: the buffer's
+    actor asks no CPU (``remote_config={"num_cpus": 0}``), each of the two
+    collectors one (``remote_configs={"num_cpus": 1}``); the run ends and
+    the buffer holds every stream cleaned. Bug caught: TorchRL's defaults
+    (one CPU per actor, the buffer's included: three on two CPUs) leave a
+    collector actor unscheduled, and the program hangs without a word.
+    """
+    cpus = ray.cluster_resources()["CPU"]
+    assert DEFAULT_REMOTE_CLASS_CONFIG["num_cpus"] * (COLLECTORS + 1) > cpus  # why they are set
+    for _ in range(100):  # the actors of earlier tests release theirs
+        if ray.available_resources().get("CPU") == cpus:
+            break
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == cpus, "an earlier test holds a CPU"
+    filt = _filter()
+    rb = RayReplayBuffer(
+        storage=functools.partial(LazyTensorStorage, 100_000),
+        transform=filt,
+        remote_config={"num_cpus": 0},
+    )
+    collector = RayCollector(
+        [functools.partial(seeded, worker_env, 100 * i) for i in range(COLLECTORS)],
+        push_left,
+        frames_per_batch=FRAMES,
+        total_frames=FRAMES * BATCHES,
+        replay_buffer=rb,
+        remote_configs={"num_cpus": 1},
+    )
+    try:
+        run = threading.Thread(target=lambda: [None for _ in collector], daemon=True)
+        run.start()
+        run.join(timeout=120)
+        assert not run.is_alive(), "the collectors did not finish: an actor was not scheduled"
+        _check_flushed_buffer(filt, rb, oracle)
+    finally:
+        collector.shutdown()
         rb.close()

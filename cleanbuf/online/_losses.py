@@ -86,5 +86,5 @@ class LostObservations:
         n_lost = sum(int(s.get(LOST_KEY, 0)) for s in states.values())
         if n_lost:
             self.warned = True
-            where = f" (its {len(states)} copies: worker processes, Ray actors)"
+            where = "'s copies in worker processes or Ray actors"
             warnings.warn(CleanbufWarning(_message(n_lost, where)), stacklevel=stacklevel + 1)
