@@ -41,8 +41,7 @@ import gymnasium
 import numpy as np
 import torch
 from tensordict import TensorDict
-from tensordict.nn import TensorDictModule, TensorDictSequential
-from torch import nn
+from tensordict.nn import TensorDictSequential
 from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.envs import GymEnv, set_exploration_type
@@ -50,16 +49,13 @@ from torchrl.envs.utils import ExplorationType
 from torchrl.modules import (
     MLP,
     EGreedyModule,
-    NormalParamExtractor,
-    ProbabilisticActor,
     QValueActor,
-    TanhNormal,
     ValueOperator,
 )
 from torchrl.objectives import DQNLoss, SACLoss, SoftUpdate
 
 import cleanbuf
-from bench.impact_ppo import PPO_TASKS, ppo_table, run_ppo
+from bench.impact_ppo import PPO_TASKS, ppo_table, run_ppo, tanh_normal_actor
 from cleanbuf import AutoresetFilter, CleanbufWarning
 
 VARIANTS = ("torchrl", "cleanbuf", "oracle")
@@ -107,15 +103,7 @@ def _sac(env, lr: float):
     n_obs = env.observation_spec["observation"].shape[-1]
     spec = env.action_spec_unbatched
     n_act = spec.shape[-1]
-    net = nn.Sequential(MLP(n_obs, 2 * n_act, num_cells=[64, 64]), NormalParamExtractor())
-    actor = ProbabilisticActor(
-        TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
-        in_keys=["loc", "scale"],
-        spec=spec,
-        distribution_class=TanhNormal,
-        distribution_kwargs={"low": spec.space.low, "high": spec.space.high},
-        return_log_prob=False,
-    )
+    actor = tanh_normal_actor(n_obs, spec, return_log_prob=False)
     q = ValueOperator(MLP(n_obs + n_act, 1, num_cells=[64, 64]), in_keys=["observation", "action"])
     loss = SACLoss(actor, q, num_qvalue_nets=2, loss_function="l2")
     loss.make_value_estimator(gamma=GAMMA)

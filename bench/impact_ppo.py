@@ -82,17 +82,21 @@ def _nets(env, task: PPOTask):
             return_log_prob=True,
         )  # fmt: skip
         return actor, critic
+    return tanh_normal_actor(n_obs, spec, return_log_prob=True), critic
+
+
+def tanh_normal_actor(n_obs: int, spec, return_log_prob: bool) -> ProbabilisticActor:
+    """A 64x64 TanhNormal policy for a continuous action ``spec`` (SAC and PPO share it)."""
     n_act = spec.shape[-1]
     net = nn.Sequential(MLP(n_obs, 2 * n_act, num_cells=[64, 64]), NormalParamExtractor())
-    actor = ProbabilisticActor(
+    return ProbabilisticActor(
         TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
         in_keys=["loc", "scale"],
         spec=spec,
         distribution_class=TanhNormal,
         distribution_kwargs={"low": spec.space.low, "high": spec.space.high},
-        return_log_prob=True,
+        return_log_prob=return_log_prob,
     )
-    return actor, critic
 
 
 def _update(batch, variant: str, gae, loss, optim) -> int:
