@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cleanbuf",
         description="Audit and clean auto-reset artifacts in RL transitions on disk: a TorchRL "
-        "replay-buffer dump (rb.dumps), a TensorDict memmap directory or a .npz file.",
+        "replay-buffer dump (rb.dumps), a TensorDict memmap directory, a .npz or an "
+        "HDF5 file (.h5, .hdf5).",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
