@@ -321,12 +321,12 @@ def plot(results: list[dict], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1/10 of the frames")
-    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=None, help="default: 5 (1 with --quick)")
     parser.add_argument("--tasks", nargs="*", default=[*TASKS, *PPO_TASKS])
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    seeds = range(1 if args.quick and args.seeds == 5 else args.seeds)
+    seeds = range(args.seeds if args.seeds is not None else (1 if args.quick else 5))
     results = []
     for task in args.tasks:
         for seed in seeds:
