@@ -47,7 +47,7 @@ class RolloutRepair:
     * ``is_init`` and the step counts are those of the explicit-reset run
       on the valid rows;
     * a collector's batch-end truncation mark (``Collector(set_truncated=
-      True)``, with ``set_truncated=True``) waits in the held column until
+      True)``; no option says so) waits in the held column until
       its stream's next row says whether it ended an episode; if not, the
       row is returned not done, so the estimators chain through it (a
       terminated row keeps the mark's truncated flag, which they ignore).
