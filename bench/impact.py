@@ -356,8 +356,10 @@ def main() -> None:
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     plot(results, os.path.join(args.out, f"{name}.png"))
-    print(table(results))
-    print(ppo_table(results, _interval))
+    if any("bellman_error" in r for r in results):
+        print(table(results))
+    if any("advantage_error" in r for r in results):
+        print(ppo_table(results, _interval))
     print(paired(results))
 
 
