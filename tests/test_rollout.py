@@ -389,7 +389,7 @@ def test_batch_end_marks_are_undone(cartpole):
             b["next", key][:, -1] = True  # what set_truncated=True writes
         marked.append(b)
     plain = RolloutRepair(joint_reset=True)
-    repair = RolloutRepair(joint_reset=True, set_truncated=True)
+    repair = RolloutRepair(joint_reset=True)  # marks need no option
     for b, m in zip(raw, marked, strict=True):
         want, got = plain(b), repair(m)
         # a terminated row keeps the mark's truncated flag (the env may set
