@@ -166,15 +166,9 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
     marked = carry[MARKED]
     has_final = final_ok.shape[0] > 0
     has_restart = restart.shape[0] > 0
-    has_cont = cont.shape[0] > 0
     check = reward.shape[0] > 0
-    mark = _batch_end_marks(n, steps, done, terminated, truncated, marks)
+    mark, joint, joint_marks = _end_kinds(steps, group, done, joint, terminated, truncated, marks)
     has_mark = mark.shape[0] > 0
-    joint_marks = mark[:0]
-    if group > 0 and steps > 0:
-        joint = _joint_rows(n, steps, group, done, mark, False)
-        if has_mark:
-            joint_marks = _joint_rows(n, steps, group, done, mark, True)
     has_joint = joint.shape[0] > 0
     code = np.empty(n, np.int8)
     # With time-last rows a row's source is always the next row (i + 1), which
@@ -190,31 +184,15 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
         s = i // steps if steps > 0 else stream[i]
         fresh = has_restart and restart[i]
         force = False  # a restart, whatever the row looks like
-        if marked[s] & (MARK | JOINT_MARK):
-            # The stream's last row was a batch-end mark: this row decides.
-            was_joint = (marked[s] & JOINT_MARK) != 0
-            marked[s] &= MARKS_SEEN
-            real = fresh if has_restart else (has_cont and not seen[s] and cont[s] == 0)
-            if real:
-                n_done += 1  # a real episode end; go on as after any done row
-                if not has_restart:
-                    # Read from the bytes alone: this row is a reset row or a
-                    # restart (which the reset-row check tells apart); after
-                    # a joint reset no reset row comes.
-                    fresh = True
-                    force = was_joint
-            else:
-                pending[s] = False  # only a mark: the row is complete as stored
-                marked[s] = MARKS_SEEN
-                if not successor:  # (observation-only rows take this row's obs below)
-                    if open_row[s] >= 0:
-                        code[open_row[s]] = (code[open_row[s]] & ~CODE_MASK) | EMIT
-                        open_row[s] = -1
-                    elif waiting[s]:
-                        released_src[s] = RELEASED_AS_IS
-                        waiting[s] = False
         first = not seen[s]
         seen[s] = True
+        if marked[s] & (MARK | JOINT_MARK):
+            # The stream's last row was a batch-end mark: this row decides.
+            fresh, force, real = _decide_mark(s, fresh, has_restart, cont, first, marked, pending)
+            if real:
+                n_done += 1  # a real episode end; go on as after any done row
+            elif not successor:  # only a mark (observation-only rows take this row's obs)
+                _close(s, EMIT, RELEASED_AS_IS, open_row, waiting, code, released_src)
         # A reset row may carry a collector's mark, which is not its own end.
         ends = done[i] and not (has_mark and mark[i])
         if force or (
@@ -224,30 +202,17 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
             # one lost its next observation; nothing of the old episode carries.
             # (Only a collector reset between calls restarts a stream that
             # expects a reset row; within a call such a row fails the check.)
-            o = open_row[s]
+            o = _close(s, LOST, RELEASED_LOST, open_row, waiting, code, released_src)
             if o >= 0:
-                code[o] = (code[o] & ~CODE_MASK) | LOST
-                if done[o]:
-                    n_lost += 1
-                else:
-                    n_next_lost += 1
-                open_row[s] = -1
-            elif waiting[s]:
-                released_src[s] = RELEASED_LOST
-                waiting[s] = False
+                n_lost += done[o]
+                n_next_lost += not done[o]
             pending[s] = False
             need_init[s] = False
             shift[s] = 0
         # This row is the source of the next observation of the row before it.
-        o = open_row[s]
-        if o >= 0:
-            code[o] = (code[o] & ~CODE_MASK) | STITCHED
-            if steps == 0:
-                next_src[o] = i
-            open_row[s] = -1
-        elif waiting[s]:
-            released_src[s] = i
-            waiting[s] = False
+        o = _close(s, STITCHED, i, open_row, waiting, code, released_src)
+        if o >= 0 and steps == 0:
+            next_src[o] = i
         if reset_rows and pending[s]:
             if ends or (check and reward[i] != 0):
                 bad_row = i
@@ -258,17 +223,12 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
             need_init[s] = True
             shift[s] = 1
             continue
-        c = EMIT
-        if need_init[s]:
-            c |= INIT_BIT
-            need_init[s] = False
-        if shift[s]:
-            c |= SHIFT_BIT
+        c = EMIT | (INIT_BIT if need_init[s] else 0) | (SHIFT_BIT if shift[s] else 0)
+        need_init[s] = False
         if done[i]:
             if has_mark and mark[i]:
                 # counted, and the shift ended, once decided
-                joint_mark = joint_marks.shape[0] and joint_marks[i]
-                marked[s] |= JOINT_MARK if joint_mark else MARK
+                marked[s] |= JOINT_MARK if joint_marks.shape[0] and joint_marks[i] else MARK
             else:
                 n_done += 1
                 shift[s] = 0
@@ -280,11 +240,8 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
                 pending[s] = True
             elif final:
                 ok = final_ok[i] if has_final else final_default
-                if ok:
-                    code[i] = c | FINAL
-                else:
-                    code[i] = c | LOST
-                    n_lost += 1
+                code[i] = c | (FINAL if ok else LOST)
+                n_lost += not ok
                 continue
         elif not successor:
             code[i] = c
@@ -294,11 +251,69 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
             open_row[s] = i
         else:
             code[i] = c
-    # Rows still open wait for a later call.
-    for s in range(n_streams):
-        if open_row[s] >= 0:
-            waiting[s] = True
+    waiting[open_row >= 0] = 1  # rows still open wait for a later call
     return code, next_src, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row
+
+
+@njit(cache=True, nogil=True)
+def _close(s, row_code, released, open_row, waiting, code, released_src):
+    """Ends stream ``s``'s wait for the row that completes its last row.
+
+    The row open in this call gets ``row_code``; a row held from an earlier
+    call gets ``released`` (a source row or a ``RELEASED_*`` value).
+
+    Returns:
+        The open row that was closed, or -1.
+    """
+    o = open_row[s]
+    if o >= 0:
+        code[o] = (code[o] & ~CODE_MASK) | row_code
+        open_row[s] = -1
+    elif waiting[s]:
+        released_src[s] = released
+        waiting[s] = False
+    return o
+
+
+@njit(cache=True, nogil=True)
+def _decide_mark(s, fresh, has_restart, cont, first, marked, pending):
+    """Decides stream ``s``'s undecided batch-end mark from its next row (see :func:`plan`).
+
+    Returns:
+        ``(fresh, force, real)``: whether the row restarts the stream (to be
+        checked as a reset row), whether it restarts it whatever it looks
+        like (after a joint reset no reset row comes), and whether the mark
+        was a real episode end. Only a mark: the stream expects no reset row.
+    """
+    was_joint = (marked[s] & JOINT_MARK) != 0
+    real = fresh if has_restart else (cont.shape[0] > 0 and first and cont[s] == 0)
+    if not real:
+        pending[s] = False
+        marked[s] = MARKS_SEEN
+        return fresh, False, False
+    marked[s] &= MARKS_SEEN
+    if has_restart:
+        return fresh, False, True
+    # Read from the bytes alone: this row is a reset row or a restart, which
+    # the reset-row check tells apart.
+    return True, was_joint, True
+
+
+@njit(cache=True, nogil=True)
+def _end_kinds(steps, group, done, joint, terminated, truncated, marks):
+    """The possible batch-end marks, the joint resets, and the marks whose group ended together.
+
+    ``joint`` as given (flat rows), or read from the done flags of each step
+    (time-aligned rows with ``group``).
+    """
+    n = done.shape[0]
+    mark = _batch_end_marks(n, steps, done, terminated, truncated, marks)
+    joint_marks = mark[:0]
+    if group > 0 and steps > 0:
+        joint = _joint_rows(n, steps, group, done, mark, False)
+        if mark.shape[0] > 0:
+            joint_marks = _joint_rows(n, steps, group, done, mark, True)
+    return mark, joint, joint_marks
 
 
 @njit(cache=True, nogil=True)
