@@ -147,7 +147,8 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
         ``(code, next_src, released_src, carry, n_drop, n_lost, n_next_lost,
         n_done, bad_row)``: the per-row code byte (module docstring); per-row source
         row of the next observation (set for ``STITCHED`` rows only, and
-        empty when ``steps > 0``: the source is then the next row);
+        empty when ``steps > 0``: the source is then the next row, and a
+        sparse array would touch every page of 8 bytes a row);
         per-stream what happens to the stream's held row from an earlier
         call (a source row, ``RELEASED_LOST``, ``RELEASED_AS_IS``, or -1:
         still held); the new carry state (a fresh array; the input is
@@ -164,16 +165,13 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
     need_init = carry[NEED_INIT]
     shift = carry[SHIFT]
     marked = carry[MARKED]
-    has_final = final_ok.shape[0] > 0
     has_restart = restart.shape[0] > 0
     check = reward.shape[0] > 0
     mark, joint, joint_marks = _end_kinds(steps, group, done, joint, terminated, truncated, marks)
     has_mark = mark.shape[0] > 0
     has_joint = joint.shape[0] > 0
     code = np.empty(n, np.int8)
-    # With time-last rows a row's source is always the next row (i + 1), which
-    # select_rows knows; only interleaved streams need the array (written
-    # sparsely, it would otherwise touch every page of 8 bytes per row).
+    # Time-last rows: the source is the next row (select_rows knows it).
     next_src = np.empty(n if steps == 0 else 0, np.int64)
     released_src = np.full(n_streams, -1, np.int64)
     open_row = np.full(n_streams, -1, np.int64)
@@ -198,33 +196,37 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
         if force or (
             fresh and (not pending[s] or (first and (ends or (check and reward[i] != 0))))
         ):
-            # A restart: not the expected reset row. The row waiting for this
-            # one lost its next observation; nothing of the old episode carries.
-            # (Only a collector reset between calls restarts a stream that
-            # expects a reset row; within a call such a row fails the check.)
+            # A restart (not the expected reset row; see restart above).
             o = _close(s, LOST, RELEASED_LOST, open_row, waiting, code, released_src)
             if o >= 0:
                 n_lost += done[o]
                 n_next_lost += not done[o]
-            pending[s] = False
-            need_init[s] = False
-            shift[s] = 0
+            pending[s] = need_init[s] = shift[s] = 0
         # This row is the source of the next observation of the row before it.
-        o = _close(s, STITCHED, i, open_row, waiting, code, released_src)
-        if o >= 0 and steps == 0:
-            next_src[o] = i
+        o = open_row[s]
+        if o >= 0:
+            code[o] = (code[o] & ~CODE_MASK) | STITCHED
+            if steps == 0:
+                next_src[o] = i
+            open_row[s] = -1
+        elif waiting[s]:
+            released_src[s] = i
+            waiting[s] = False
         if reset_rows and pending[s]:
             if ends or (check and reward[i] != 0):
                 bad_row = i
                 break
             code[i] = DROP
             n_drop += 1
-            pending[s] = False
-            need_init[s] = True
-            shift[s] = 1
+            pending[s] = 0
+            need_init[s] = shift[s] = 1
             continue
-        c = EMIT | (INIT_BIT if need_init[s] else 0) | (SHIFT_BIT if shift[s] else 0)
-        need_init[s] = False
+        c = EMIT
+        if need_init[s]:
+            c |= INIT_BIT
+            need_init[s] = False
+        if shift[s]:
+            c |= SHIFT_BIT
         if done[i]:
             if has_mark and mark[i]:
                 # counted, and the shift ended, once decided
@@ -239,7 +241,7 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
                     continue
                 pending[s] = True
             elif final:
-                ok = final_ok[i] if has_final else final_default
+                ok = final_ok[i] if final_ok.shape[0] else final_default
                 code[i] = c | (FINAL if ok else LOST)
                 n_lost += not ok
                 continue
@@ -255,7 +257,7 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
     return code, next_src, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _close(s, row_code, released, open_row, waiting, code, released_src):
     """Ends stream ``s``'s wait for the row that completes its last row.
 
@@ -275,7 +277,7 @@ def _close(s, row_code, released, open_row, waiting, code, released_src):
     return o
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _decide_mark(s, fresh, has_restart, cont, first, marked, pending):
     """Decides stream ``s``'s undecided batch-end mark from its next row (see :func:`plan`).
 
