@@ -40,6 +40,8 @@ from tests.workers import (  # noqa: E402
     worker_env,
 )
 
+pytestmark = pytest.mark.slow  # a Ray session and its actors: minutes on 2 cores
+
 COLLECTORS, T, BATCHES = 2, 32, 8
 OBS = ["observation"]  # env_id (see StreamId) is no observation to restitch
 FRAMES = COLLECTORS * ENVS_PER_WORKER * T  # one batch of every collector
