@@ -16,7 +16,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "cleanbuf"
 EXTERNAL_OF_THE_SIDES = ("torchrl", "h5py", "ray", "gymnasium", "envpool")
-MAX_FUNCTION_LINES = 60
 
 
 def _modules() -> dict:
@@ -80,24 +79,3 @@ def test_each_room_builds_on_the_engine_alone(room):
             assert not any(dep == o or dep.startswith(o + ".") for o in others), (name, dep)
             if room == "cleanbuf.engine":
                 assert dep.split(".")[0] not in EXTERNAL_OF_THE_SIDES, (name, dep)
-
-
-def test_functions_are_short():
-    """Bug caught: a function grown past what a reader holds in mind at
-    once (the numba state machines excepted: a kernel is one loop).
-    Docstrings do not count.
-    """
-    long = []
-    for path, tree in MODULES.values():
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                continue
-            if any("njit" in ast.unparse(d) for d in node.decorator_list):
-                continue
-            lines = node.end_lineno - node.lineno + 1
-            if ast.get_docstring(node) is not None:
-                doc = node.body[0]
-                lines -= doc.end_lineno - doc.lineno + 1
-            if lines > MAX_FUNCTION_LINES:
-                long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name} {lines}")
-    assert not long, long

@@ -56,6 +56,7 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+@pytest.mark.slow  # each program is a fresh interpreter; some start processes or Ray
 @pytest.mark.parametrize(("page", "program"), _programs())
 def test_program_runs_as_pasted(page, program, tmp_path):
     """Bug caught: a README or guide program that does not run as pasted.
@@ -112,6 +113,7 @@ def test_readme_is_short_and_docs_stand_alone():
     assert not citing, f"these pages mention DESIGN.md: {citing}"
 
 
+@pytest.mark.slow  # a fresh interpreter, timed by its own clock: not under a loaded fast run
 def test_demo_is_quick_short_and_matches(tmp_path):
     """Bug caught: a first run that takes most of a minute or buries its result.
 

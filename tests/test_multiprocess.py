@@ -32,6 +32,8 @@ from tests.workers import (
     worker_env,
 )
 
+pytestmark = pytest.mark.slow  # spawned worker processes: minutes on 2 cores
+
 WORKERS, T, BATCHES = 2, 16, 8
 OBS = ["observation"]  # env_id (see StreamId) is no observation to restitch
 FRAMES = WORKERS * ENVS_PER_WORKER * T

@@ -483,6 +483,7 @@ except Exception as err:
 """
 
 
+@pytest.mark.slow  # writes and cleans a dataset larger than its memory limit
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc (Linux)")
 def test_cleans_a_dataset_larger_than_its_memory_limit(tmp_path):
     """A 217 MB dataset of Atari-sized rows, cleaned by the command line in

@@ -68,6 +68,7 @@ def _make_cartpole():
     return gym.make("CartPole-v1")
 
 
+@pytest.mark.slow  # SubprocVecEnv starts one process per env
 def test_sb3_subproc_vec_env_loop():
     """Stable-Baselines3 SubprocVecEnv (spawn): the terminal observation is in
     infos[i]["terminal_observation"]. Bugs caught: the reset observation kept
