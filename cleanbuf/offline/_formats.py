@@ -32,7 +32,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf.engine._errors import InputError
-from cleanbuf.offline._compat import storage_tensors
+from cleanbuf.offline._compat import lay_out, storage_tensors
 from cleanbuf.offline._marker import DONE_KEYS, ENV_ARRAY, done_digest, read_dir, write_dir
 from cleanbuf.offline._scratch import (
     check_free,
@@ -521,15 +521,15 @@ class Writer:
     def _lay_out(self, rows: TensorDictBase) -> None:
         """Lays out the output's files for every row, their space taken before any write.
 
-        The storage lays its files out sparse at its first write: one row
-        (``set_cursor=False``: not counted), once the disk is known to have
-        room, then every file is allocated (see ``_scratch.reserve``).
+        The storage's files are sparse: once the disk is known to have room,
+        they are laid out (``_compat.lay_out``) and allocated
+        (``_scratch.reserve``) before a row goes through their maps.
         """
         storage = self.rb.storage
         self.need = storage.max_size * _row_bytes(rows)
         check_free(self.dst, self.need)
         with space_for(self.dst, self.need):
-            storage.set(slice(0, 1), rows[:1], set_cursor=False)
+            lay_out(storage, rows)
         reserve(self.rows_dir, self.dst, self.need)
 
     def slot(self, key: Any, rows: int) -> torch.Tensor | None:

@@ -102,6 +102,10 @@ def space_for(dst: str, need: int, what: str = "it"):
         if err.errno not in FULL:
             raise
         raise NoSpaceError(dst, need, _free(dst), what) from err
+    except RuntimeError as err:  # torch's file errors: "... No space left on device (28)"
+        if f"{os.strerror(errno.ENOSPC)} ({errno.ENOSPC})" not in str(err):
+            raise
+        raise NoSpaceError(dst, need, _free(dst), what) from err
 
 
 def _free(dst: str) -> int | None:
