@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from cleanbuf.engine._errors import InputError
+from cleanbuf.engine._errors import CleanbufWarning, InputError
 from cleanbuf.offline._compat import lay_out, storage_tensors
 from cleanbuf.offline._marker import DONE_KEYS, ENV_ARRAY, done_digest, read_dir, write_dir
 from cleanbuf.offline._scratch import (
@@ -259,7 +259,7 @@ def _npz(path: str) -> Dataset:
                 if not isinstance(arrays[name], np.ndarray):  # numpy gives bytes for a non-.npy
                     raise ValueError(f"{name!r} is not a .npy array")
     except ValueError as err:
-        if "pickle" in str(err):  # numpy's advice to unpickle: never given on
+        if "pickle" in str(err):  # numpy's message advises allow_pickle: never passed on
             raise InputError(
                 f"{path}: array {name!r} holds Python objects (dtype object), not numbers. "
                 "cleanbuf reads numeric arrays only and never unpickles a file (that can run "
@@ -616,8 +616,6 @@ def _row_bytes(rows: TensorDictBase) -> int:
 
 
 def _warn(note: str) -> None:
-    from cleanbuf.engine._errors import CleanbufWarning
-
     warnings.warn(note, CleanbufWarning, stacklevel=3)
 
 
