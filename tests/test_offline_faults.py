@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
 import h5py
@@ -352,13 +351,12 @@ def _objects(src, path):
 
 
 def _bad_crc(src, path):
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(path, "w") as zout:
-        for item in zin.infolist():
-            zout.writestr(item, zin.read(item.filename))
-    with open(path, "r+b") as f:  # flip bytes inside the first member's data
-        f.seek(120)
+    shutil.copy(src, path)
+    with open(path, "r+b") as f:  # flip a byte of the first array's data (past its header)
+        at = f.read().index(b"\x93NUMPY") + 200
+        f.seek(at)
         byte = f.read(1)
-        f.seek(120)
+        f.seek(at)
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
@@ -381,7 +379,7 @@ UNREADABLE = {
     "empty npz": ("npz", ".npz", _empty, "is empty (0 bytes), not a .npz archive"),
     "npy named npz": ("npz", ".npz", _npy, "is not a .npz file (a single .npy array;"),
     "object arrays npz": ("npz", ".npz", _objects, ": array 'observation' holds Python objects"),
-    "bad CRC npz": ("npz", ".npz", _bad_crc, "is a damaged .npz file, truncated or corrupted"),
+    "bad CRC npz": ("npz", ".npz", _bad_crc, "is a damaged .npz file, truncated or corrupted (Bad"),
     "empty HDF5": ("h5", ".h5", _empty, "is empty (0 bytes), not an HDF5 file"),
     "random bytes HDF5": ("h5", ".h5", _random, "is not an HDF5 file (no HDF5 signature)"),
     "truncated HDF5": ("h5", ".h5", _truncated, "is a damaged HDF5 file, truncated or corrupted"),

@@ -285,9 +285,10 @@ def _head(path: str, what: str) -> bytes:
 
 def _damaged(path: str, what: str, err: BaseException) -> InputError:
     """The error for a file of a known format that cannot be read whole."""
+    said = str(err) if len(str(err)) <= 200 else f"{str(err)[:200]}..."
     return InputError(
         f"{path} is a damaged {what} file, truncated or corrupted ({type(err).__name__}: "
-        f"{err}); an interrupted save or copy leaves such a file. Save or copy it again."
+        f"{said}); an interrupted save or copy leaves such a file. Save or copy it again."
     )
 
 
