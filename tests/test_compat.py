@@ -7,6 +7,8 @@ tests check against the private path.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from unittest import mock
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 from torchrl.collectors import Collector
-from torchrl.data import LazyTensorStorage
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 from torchrl.envs import GymEnv, GymWrapper
 
 from cleanbuf import AutoresetFilter, CleanbufError
@@ -46,6 +48,7 @@ def test_the_private_names_are_there():
     assert ("next", "observation") in collector._compact_next_keys
     collector.shutdown()
     assert callable(sys._getframe)
+    assert callable(getattr(LazyMemmapStorage, offline_compat.INIT))  # offline_compat.lay_out
     storage = LazyTensorStorage(8)
     storage.set(slice(0, 2), TensorDict({"a": torch.ones(2, 3)}, [2]))
     assert offline_compat.storage_tensors(storage).shape == (8,)  # every slot, not the filled
@@ -95,3 +98,20 @@ def test_for_env_without_the_wrapped_env_asks_for_a_mode():
         with pytest.raises(CleanbufError, match="mode="):
             AutoresetFilter.for_env(env)
     env.close()
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["storage._init", "fallback"])
+def test_lay_out_makes_the_files_and_counts_no_row(private, tmp_path):
+    """``offline_compat.lay_out``, with TorchRL's private ``_init`` and
+    without it. Bugs caught: a storage left uninitialised (its first
+    ``set`` would write through sparse files again), a laid-out row counted
+    as written, the rows written after it not read back.
+    """
+    rows = TensorDict({"a": torch.arange(6.0).reshape(3, 2)}, [3])
+    storage = LazyMemmapStorage(3, scratch_dir=tmp_path)
+    with contextlib.nullcontext() if private else mock.patch.object(offline_compat, "INIT", "_x"):
+        offline_compat.lay_out(storage, rows)
+    assert storage.initialized and len(storage) == 0
+    assert sorted(os.listdir(tmp_path)) == ["a.memmap", "meta.json"]
+    storage.set(slice(0, 3), rows)
+    assert len(storage) == 3 and torch.equal(storage.get(slice(0, 3))["a"], rows["a"])

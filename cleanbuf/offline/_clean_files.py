@@ -113,7 +113,10 @@ def clean_dataset(
         progress: show a progress bar on stderr (needs ``tqdm``).
         say: where a note goes before anything is written (the command line
             prints it on stderr): when a dump's cleaned rows will not fit a
-            buffer built as SRC's, the storage to build to load DST.
+            buffer built as SRC's, the storage to build to load DST; the
+            temporary directory a killed run for the same ``dst`` left,
+            removed (or, when it cannot be, named). None: a
+            :class:`cleanbuf.CleanbufWarning`, for the latter notes.
         **options: :class:`cleanbuf.AutoresetFilter` options; by default those
             the audit found (``report.options()``).
 
@@ -125,6 +128,9 @@ def clean_dataset(
             lies inside it or holds it; checked before anything is written.
         CleanbufError: the data does not fit the options. Nothing is left at
             ``dst``.
+        OSError: writing failed; a full disk is a ``NoSpaceError`` (an
+            ``OSError`` with ``errno.ENOSPC``) naming ``dst`` and the bytes
+            needed. Nothing is left at ``dst``, nor a temporary directory.
     """
     ds = src if isinstance(src, Dataset) else read(src)
     if dst is not None:
@@ -134,7 +140,7 @@ def clean_dataset(
     writer = Collect()
     if dst is not None:
         capacity = _capacity(ds, report, say)
-        writer = Writer(ds.format, dst, capacity, force=force, fit=ds.capacity)
+        writer = Writer(ds.format, dst, capacity, force=force, fit=ds.capacity, say=say)
     bar = _progress(report.rows, progress)
     try:
         stats = _clean(ds, report, streams, opts, writer, bar)

@@ -19,3 +19,23 @@ def storage_tensors(storage: Any) -> Any | None:
     ones. None where the name is gone (the writer then copies the rows).
     """
     return getattr(storage, "_storage", None)
+
+
+INIT = "_init"  # LazyMemmapStorage's method that lays out its files
+
+
+def lay_out(storage: Any, rows: Any) -> None:
+    """Lays out a lazy TorchRL storage's files for ``rows`` without writing a row.
+
+    ``storage._init(rows[0])``, what ``storage.set`` calls on its first
+    write: the public ``set`` lays the memory-mapped files out and writes
+    through them in one call, and a page written before its blocks are
+    allocated kills the process on a full disk. Where the name is gone,
+    the first row is written (``set_cursor=False``: not counted), a page
+    of each file before they are allocated.
+    """
+    init = getattr(storage, INIT, None)
+    if callable(init):
+        init(rows[0])
+    else:
+        storage.set(slice(0, 1), rows[:1], set_cursor=False)

@@ -23,18 +23,26 @@ import dataclasses
 import json
 import math
 import os
-import shutil
-import tempfile
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from cleanbuf.engine._errors import InputError
-from cleanbuf.offline._compat import storage_tensors
+from cleanbuf.engine._errors import CleanbufWarning, InputError
+from cleanbuf.offline._compat import lay_out, storage_tensors
 from cleanbuf.offline._marker import DONE_KEYS, ENV_ARRAY, done_digest, read_dir, write_dir
+from cleanbuf.offline._scratch import (
+    check_free,
+    clear_leftovers,
+    make,
+    remove,
+    reserve,
+    size_text,
+    space_for,
+)
 
 DUMP, MEMMAP, NPZ, HDF5 = "torchrl-dump", "memmap", "npz", "hdf5"
 HDF5_SUFFIXES = (".h5", ".hdf5")
@@ -123,11 +131,39 @@ def plain_leaves(td: TensorDictBase) -> dict:
 
 
 def _json(path: str) -> dict:
+    """A JSON object from a file; an :class:`InputError` naming the file if it is none."""
     try:
         with open(path) as f:
-            return json.load(f)
+            value = json.load(f)
     except (OSError, ValueError) as err:
         raise InputError(f"cannot read {path}: {err}") from err
+    if not isinstance(value, dict):
+        raise InputError(
+            f"{path} holds a JSON {type(value).__name__}, not the object (dict) it should: "
+            "the file is damaged. Write or copy it again."
+        )
+    return value
+
+
+def _int_entry(meta: dict, key: str, path: str, default: int, what: str) -> int:
+    """An integer entry of a metadata file, ``default`` when absent.
+
+    Examples:
+        >>> _int_entry({"cursor": 3}, "cursor", "writer/metadata.json", 0, "a slot")
+        3
+        >>> _int_entry({"cursor": "x7"}, "cursor", "writer/metadata.json", 0, "a slot")
+        Traceback (most recent call last):
+        ...
+        cleanbuf.engine._errors.InputError: writer/metadata.json: 'cursor' is 'x7', not an ...
+    """
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InputError(
+            f"{path}: {key!r} is {value!r}, not an integer >= 0 ({what}): the file is damaged, "
+            "and without it the order of the rows is unknown. Dump the buffer again "
+            "(rb.dumps), or copy the file from the original dump."
+        )
+    return value
 
 
 def _check_sizes(path: str) -> None:
@@ -145,9 +181,21 @@ def _check_sizes(path: str) -> None:
                 continue
             dtype = getattr(torch, str(entry["dtype"]).replace("torch.", ""), None)
             filename = os.path.join(folder, f"{name}.memmap")
-            if dtype is None or not os.path.exists(filename):
+            if not isinstance(dtype, torch.dtype):
                 continue
-            need = math.prod(entry["shape"]) * dtype.itemsize
+            if not os.path.exists(filename):
+                raise InputError(
+                    f"{filename} is missing: {os.path.join(folder, 'meta.json')} lists {name!r} "
+                    f"(shape {entry['shape']}, {entry['dtype']}) but its file is not there. "
+                    "The directory is partly copied: copy it again."
+                )
+            shape = entry["shape"]
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise InputError(
+                    f"{os.path.join(folder, 'meta.json')}: the shape of {name!r} is {shape!r}, "
+                    "not a list of sizes: the file is damaged. Copy the directory again."
+                )
+            need = math.prod(shape) * dtype.itemsize
             have = os.path.getsize(filename)
             if have < need:
                 raise InputError(
@@ -174,11 +222,18 @@ def _dump(path: str) -> Dataset:
     storage_dir = os.path.join(path, "storage")
     data = _load_memmap(storage_dir)
     capacity = int(data.shape[0])
-    length = int(_json(os.path.join(storage_dir, "storage_metadata.json")).get("len", capacity))
+    stored = os.path.join(storage_dir, "storage_metadata.json")
+    length = _int_entry(_json(stored), "len", stored, capacity, "the slots filled")
+    if length > capacity:
+        raise InputError(
+            f"{stored}: 'len' is {length}, more than the {capacity} slots of the storage: the "
+            "file does not belong to this storage. Dump the buffer again (rb.dumps)."
+        )
     writer = os.path.join(path, "writer", "metadata.json")
     meta = _json(writer) if os.path.exists(writer) else {}
-    cursor = int(meta.get("cursor", length)) % max(capacity, 1)
-    written = int(meta.get("write_count", length))
+    where = "the slot the next write goes to, so where the oldest row is"
+    cursor = _int_entry(meta, "cursor", writer, length, where) % max(capacity, 1)
+    written = _int_entry(meta, "write_count", writer, length, "the rows ever written")
     wrapped = length == capacity and written > capacity
     if wrapped:
         order = np.concatenate([np.arange(cursor, capacity), np.arange(cursor)])
@@ -188,11 +243,65 @@ def _dump(path: str) -> Dataset:
 
 
 def _npz(path: str) -> Dataset:
+    """A ``.npz`` file, read into memory; never unpickled."""
+    head = _head(path, "a .npz archive")
+    if not head.startswith(b"PK"):
+        what = "a single .npy array" if head.startswith(b"\x93NUMPY") else "not a zip archive"
+        raise InputError(
+            f"{path} is not a .npz file ({what}; np.savez writes a zip archive of .npy arrays, "
+            "named by key). Save the data with np.savez."
+        )
+    arrays, name = {}, None
     try:
-        arrays = np.load(path)  # a zip: read into memory, key by key
-    except (OSError, ValueError) as err:
-        raise InputError(f"cannot read {path} as .npz: {err}") from err
-    return _arrays(path, NPZ, {name: arrays[name] for name in arrays.files})
+        with np.load(path, allow_pickle=False) as archive:  # a zip: read key by key
+            for name in archive.files:
+                arrays[name] = archive[name]
+                if not isinstance(arrays[name], np.ndarray):  # numpy gives bytes for a non-.npy
+                    raise ValueError(f"{name!r} is not a .npy array")
+    except ValueError as err:
+        if "pickle" in str(err):  # numpy's message advises allow_pickle: never passed on
+            raise InputError(
+                f"{path}: array {name!r} holds Python objects (dtype object), not numbers. "
+                "cleanbuf reads numeric arrays only and never unpickles a file (that can run "
+                "any code): save it with numeric arrays."
+            ) from None
+        raise _damaged(path, ".npz", err) from err
+    except Exception as err:  # zipfile, zlib and numpy raise many kinds on a damaged file
+        raise _damaged(path, ".npz", err) from err
+    return _arrays(path, NPZ, _numeric(path, arrays))
+
+
+def _head(path: str, what: str) -> bytes:
+    """The first bytes of a file; an :class:`InputError` if it is empty."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if not head:
+        raise InputError(
+            f"{path} is empty (0 bytes), not {what}: an interrupted save or copy leaves such "
+            "a file. Save or copy it again."
+        )
+    return head
+
+
+def _damaged(path: str, what: str, err: BaseException) -> InputError:
+    """The error for a file of a known format that cannot be read whole."""
+    said = str(err) if len(str(err)) <= 200 else f"{str(err)[:200]}..."
+    return InputError(
+        f"{path} is a damaged {what} file, truncated or corrupted ({type(err).__name__}: "
+        f"{said}); an interrupted save or copy leaves such a file. Save or copy it again."
+    )
+
+
+def _numeric(path: str, arrays: dict) -> dict:
+    """The arrays, each of numbers or booleans; an :class:`InputError` naming one that is not."""
+    for name, a in arrays.items():
+        if a.dtype.kind not in "biuf":
+            raise InputError(
+                f"{path}: array {name!r} has dtype {a.dtype}, not numbers or booleans; "
+                "cleanbuf reads transitions of numeric arrays. Store it as numbers, or leave it "
+                "out of the file."
+            )
+    return arrays
 
 
 def _arrays(path: str, fmt: str, arrays: dict) -> Dataset:
@@ -220,6 +329,13 @@ def _hdf5(path: str) -> Dataset:
     except ImportError as err:
         raise InputError(f"{path}: reading HDF5 needs h5py; pip install 'cleanbuf[hdf5]'.") from err
     arrays: dict = {}
+    head = _head(path, "an HDF5 file")
+    if not head.startswith(b"\x89HDF\r\n\x1a\n"):  # (files with a user block excepted)
+        if not h5py.is_hdf5(path):
+            raise InputError(
+                f"{path} is not an HDF5 file (no HDF5 signature). Save the data with h5py "
+                "(datasets named by key, 'next' a group)."
+            )
     try:
         with h5py.File(path, "r") as f:
             f.visititems(
@@ -227,9 +343,9 @@ def _hdf5(path: str) -> Dataset:
                     arrays.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None
                 )
             )
-    except OSError as err:
-        raise InputError(f"cannot read {path} as HDF5: {err}") from err
-    return _arrays(path, HDF5, arrays)
+    except Exception as err:  # h5py raises OSError, KeyError, RuntimeError on damage
+        raise _damaged(path, "HDF5", err) from err
+    return _arrays(path, HDF5, _numeric(path, arrays))
 
 
 def _marked(folder: str) -> dict:
@@ -321,7 +437,12 @@ class Writer:
     :meth:`commit` moves it to its place in one rename; until then nothing
     is at ``dst``, and :meth:`abort` (or a crash) leaves nothing there
     either (the temporary directory sits next to ``dst``, named
-    ``.DST.cleanbuf-tmp-*``).
+    ``.DST.cleanbuf-tmp-*``; one that a killed run left is removed by the
+    next run for the same ``dst``, which tells ``say``: see
+    :mod:`cleanbuf.offline._scratch`). A full disk is a
+    :class:`~cleanbuf.offline._scratch.NoSpaceError` naming ``dst`` and the
+    space needed: the output's files are allocated before a row is
+    written through their memory maps.
 
     Rows go to a TorchRL ``LazyMemmapStorage`` (memory maps: the memory used
     stays that of the rows being written), one slice per write, whose
@@ -337,7 +458,13 @@ class Writer:
     """
 
     def __init__(
-        self, fmt: str, dst: str, capacity: int, force: bool = False, fit: int | None = None
+        self,
+        fmt: str,
+        dst: str,
+        capacity: int,
+        force: bool = False,
+        fit: int | None = None,
+        say: Callable[[str], None] | None = None,
     ):
         from torchrl.data import LazyMemmapStorage, ReplayBuffer
 
@@ -349,16 +476,20 @@ class Writer:
         self.env: list[np.ndarray] = []  # each row's env index, per write
         self.done: list[np.ndarray] = []  # each row's done flag, per write
         self._leaves: dict | None = None  # the output's files as plain tensors, once laid out
-        parent = os.path.dirname(dst)
-        os.makedirs(parent, exist_ok=True)
-        self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.cleanbuf-tmp-", dir=parent)
+        self.need = 0  # the bytes the output's files take, once laid out
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        clear_leftovers(dst, say or _warn)
+        self.tmp, self._lock = make(dst)
         self.out = os.path.join(self.tmp, "out")
-        rows_dir = {DUMP: os.path.join(self.out, "storage"), MEMMAP: self.out}.get(fmt)
-        self.rb = ReplayBuffer(
-            storage=LazyMemmapStorage(
-                max(capacity, 1), scratch_dir=rows_dir or os.path.join(self.tmp, "rows")
-            )
+        self.rows_dir = {DUMP: os.path.join(self.out, "storage"), MEMMAP: self.out}.get(
+            fmt, os.path.join(self.tmp, "rows")
         )
+        try:
+            storage = LazyMemmapStorage(max(capacity, 1), scratch_dir=self.rows_dir)
+            self.rb = ReplayBuffer(storage=storage)
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, rows: TensorDictBase, env: Any = None) -> None:
         """Appends rows (a slice write: ``rb.extend`` scatters by index, 2x slower).
@@ -372,6 +503,8 @@ class Writer:
         m = rows.batch_size[0]
         if not m:
             return
+        if not self.rb.storage.initialized:
+            self._lay_out(rows)
         lo, hi = self.n, self.n + m
         self.env.append(np.full(m, -1, np.int32) if env is None else np.asarray(env, np.int32))
         self.done.append(_done_of(rows))
@@ -385,6 +518,20 @@ class Writer:
         else:
             self.rb.storage.set(slice(lo, hi), rows)
         self.n = hi
+
+    def _lay_out(self, rows: TensorDictBase) -> None:
+        """Lays out the output's files for every row, their space taken before any write.
+
+        The storage's files are sparse: once the disk is known to have room,
+        they are laid out (``_compat.lay_out``) and allocated
+        (``_scratch.reserve``) before a row goes through their maps.
+        """
+        storage = self.rb.storage
+        self.need = storage.max_size * _row_bytes(rows)
+        check_free(self.dst, self.need)
+        with space_for(self.dst, self.need):
+            lay_out(storage, rows)
+        reserve(self.rows_dir, self.dst, self.need)
 
     def slot(self, key: Any, rows: int) -> torch.Tensor | None:
         """The output's next ``rows`` rows of ``key``, to gather into; None if not laid out."""
@@ -404,9 +551,18 @@ class Writer:
 
     def commit(self, mark: dict | None = None) -> None:
         """Finishes the dataset (with ``mark``, cleanbuf's marker) and moves it to ``dst``."""
-        out = self.out
         if not self.n:
             raise InputError(f"no row is left to write to {self.dst}; nothing was written.")
+        with space_for(self.dst, self.need):
+            self._finish(mark)
+        if os.path.lexists(self.dst):  # --force: the old one goes only now
+            os.replace(self.dst, os.path.join(self.tmp, "old"))
+        os.replace(self.out, self.dst)
+        self.abort()
+
+    def _finish(self, mark: dict | None) -> None:
+        """Writes the dataset at ``self.out``, with its marker."""
+        out = self.out
         env = np.concatenate(self.env)
         mark = {**(mark or {}), "rows": self.n, "done": done_digest(np.concatenate(self.done))}
         if self.fmt == DUMP:
@@ -428,24 +584,40 @@ class Writer:
             stored = self.rb.storage.get(slice(0, self.n))
             arrays = {"/".join(_tuple(k)): v.numpy() for k, v in stored.items(True, True)}
             arrays[ENV_ARRAY] = env
-            out = os.path.join(self.tmp, "out")
-            if self.fmt == NPZ:
-                with open(out, "wb") as f:
-                    np.savez(f, **arrays)
-            else:
-                import h5py
-
-                with h5py.File(out, "w") as f:
-                    for name, a in arrays.items():
-                        f.create_dataset(name, data=a)
-        if os.path.lexists(self.dst):  # --force: the old one goes only now
-            os.replace(self.dst, os.path.join(self.tmp, "old"))
-        os.replace(out, self.dst)
-        self.abort()
+            size = sum(a.nbytes for a in arrays.values())  # the file, next to the maps
+            what = f"its file, written from its rows ({size_text(self.need)}, on the same disk),"
+            check_free(self.dst, size, what)
+            with space_for(self.dst, size, what):
+                _save_file(self.fmt, out, arrays)
 
     def abort(self) -> None:
         """Removes the temporary directory."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self._lock is not None or os.path.exists(self.tmp):
+            remove(self.tmp, self._lock)
+            self._lock = None
+
+
+def _save_file(fmt: str, out: str, arrays: dict) -> None:
+    """Writes arrays to a ``.npz`` or HDF5 file at ``out``."""
+    if fmt == NPZ:
+        with open(out, "wb") as f:
+            np.savez(f, **arrays)
+        return
+    import h5py
+
+    with h5py.File(out, "w") as f:
+        for name, a in arrays.items():
+            f.create_dataset(name, data=a)
+
+
+def _row_bytes(rows: TensorDictBase) -> int:
+    """The bytes one row takes, every key."""
+    m = max(rows.batch_size[0], 1)
+    return sum(leaf.numel() * leaf.element_size() for leaf in rows.values(True, True)) // m
+
+
+def _warn(note: str) -> None:
+    warnings.warn(note, CleanbufWarning, stacklevel=3)
 
 
 def _cut_rows(path: str, capacity: int, n: int) -> None:
