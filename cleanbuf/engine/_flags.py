@@ -62,3 +62,55 @@ def joint_rows(options: Options, rows: Views, done: np.ndarray) -> np.ndarray:
     if not options.joint_reset or options.joint_key is None:
         return NONE
     return done & row_flags("joint_key", options.joint_key, rows)
+
+
+def stored_rows(rows: Views, obs_keys, done: np.ndarray) -> np.ndarray:
+    """Per done row, whether its next observation is stored (read from the data).
+
+    A done row's ``("next", k)`` holds its terminal observation unless the
+    producer filled it in: zero-filled (every element of every observation
+    key exactly 0, as TorchRL's collectors leave a next-step done row) or
+    NaN-filled (any NaN in a floating-point key, TorchRL's mark of a missing
+    next observation). Any other value is stored: it is never replaced and
+    never counted as lost. The one ambiguity: a terminal observation that is
+    truly 0 in every element reads as zero-filled. Where its reset row
+    follows, that row's observation (the same zeros) is written back, so
+    nothing changes; where none follows (a flush, a restart, a joint reset)
+    it is counted lost. Only done rows are read (one small gather each).
+
+    Returns:
+        bool ``[n_rows]`` (False on rows that are not done), or an empty
+        array when no row is done.
+
+    Examples:
+        >>> done = np.array([True, False, True, True])
+        >>> nxt = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 3.0], [float("nan"), 1.0]])
+        >>> rows = Views({("next", "observation"): nxt}, 1, 4)
+        >>> stored_rows(rows, [("observation",)], done).tolist()
+        [False, False, True, False]
+    """
+    done_rows = np.flatnonzero(done)
+    if not len(done_rows):
+        return NONE
+    filled = np.ones(len(done_rows), np.bool_)  # zero-filled so far
+    nan = np.zeros(len(done_rows), np.bool_)
+    for k in obs_keys:
+        nk = ("next", *k)
+        a = rows[nk]
+        if a is None:
+            x = rows.flat(nk)
+            x = x.index_select(0, torch.from_numpy(done_rows).to(x.device)).reshape(
+                len(done_rows), -1
+            )
+            zero, any_nan = (x == 0).all(1), (x.isnan().any(1) if x.is_floating_point() else None)
+            filled &= zero.cpu().numpy()
+            if any_nan is not None:
+                nan |= any_nan.cpu().numpy()
+            continue
+        x = a.reshape(rows.n_rows, -1)[done_rows]
+        filled &= (x == 0).all(1)
+        if x.dtype.kind in "fc":
+            nan |= np.isnan(x).any(1)
+    out = np.zeros(len(done), np.bool_)
+    out[done_rows] = ~(filled | nan)
+    return out
