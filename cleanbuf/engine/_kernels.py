@@ -61,12 +61,12 @@ SHIFT_BIT = 16  # subtract 1 from this row's step counts
 # The rows of the carry state (int64[5, S], see plan).
 PENDING, WAITING, NEED_INIT, SHIFT, MARKED = range(5)
 # The values of the carry's MARKED row: an undecided mark (its group done with
-# it or not), a bit kept once a stream showed that its producer marks, a bit
-# set while the undecided mark's next observation is stored (complete as it
-# is, whatever the next row says), and a bit kept once the producer showed
-# that it stores terminal observations in done rows (which a collector that
-# marks batch ends never does: there a stored batch-end row is an end).
-MARK, JOINT_MARK, MARKS_SEEN, STORED, STORES_ENDS = 1, 2, 4, 8, 16
+# it or not), a bit kept once a stream showed that its producer marks, and a
+# bit set while the undecided mark's next observation is stored (complete as
+# it is, whatever the next row says).
+MARK, JOINT_MARK, MARKS_SEEN, STORED = 1, 2, 4, 8
+# The values of plan's marks: which batch-end rows may be a collector's mark.
+NO_MARKS, ANY_MARKS, UNSTORED_MARKS = 0, 1, 2
 # What plan's released_src says of a held row, besides its source row.
 RELEASED_LOST = -2  # released with its next observation lost (a restart cut it off)
 RELEASED_AS_IS = -3  # released as stored (its end was only a collector's mark)
@@ -129,7 +129,14 @@ def plan(n, steps, stream, done, stored, joint, group, final_ok, final_default, 
             stream's next row decides: a restart (``restart`` where the rows
             have it, else a first row that does not continue the stream,
             ``cont``) means a real episode end, any other row means it was
-            only a mark and the row is complete as stored.
+            only a mark and the row is complete as stored. ``NO_MARKS``
+            (False): none; ``ANY_MARKS`` (True): any such row (TorchRL
+            collector batches, which carry trajectory ids);
+            ``UNSTORED_MARKS``: only one whose next observation is not
+            ``stored`` (other rows: a producer that writes no trajectory
+            ids is no collector and never marks, so its stored batch-end
+            truncation, as a raw loop writes it, is a real end; a
+            zero-filled one is held and decided either way).
         cont: uint8[S] or empty: per stream, 1 where this call's first row
             continues the last call's last row (its observation equals that
             row's stored next observation, byte for byte).
@@ -183,8 +190,8 @@ def plan(n, steps, stream, done, stored, joint, group, final_ok, final_default, 
     has_restart = restart.shape[0] > 0
     has_stored = stored.shape[0] > 0
     check = reward.shape[0] > 0
-    mark, joint, joint_marks, stores_ends = _end_kinds(
-        steps, group, done, stored, marked, joint, terminated, truncated, marks
+    mark, joint, joint_marks = _end_kinds(
+        steps, group, done, stored, joint, terminated, truncated, marks
     )
     has_mark = mark.shape[0] > 0
     has_joint = joint.shape[0] > 0
@@ -280,8 +287,6 @@ def plan(n, steps, stream, done, stored, joint, group, final_ok, final_default, 
         else:
             code[i] = c
     waiting[open_row >= 0] = 1  # rows still open wait for a later call
-    if stores_ends:
-        marked |= STORES_ENDS
     return code, next_src, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row
 
 
@@ -319,9 +324,9 @@ def _decide_mark(s, fresh, has_restart, cont, first, marked, pending):
     real = fresh if has_restart else (cont.shape[0] > 0 and first and cont[s] == 0)
     if not real:
         pending[s] = False
-        marked[s] = MARKS_SEEN | (marked[s] & STORES_ENDS)
+        marked[s] = MARKS_SEEN
         return fresh, False, False
-    marked[s] &= MARKS_SEEN | STORES_ENDS
+    marked[s] &= MARKS_SEEN
     if has_restart:
         return fresh, False, True
     # Read from the bytes alone: this row is a reset row or a restart, which
@@ -330,50 +335,33 @@ def _decide_mark(s, fresh, has_restart, cont, first, marked, pending):
 
 
 @njit(cache=True, nogil=True)
-def _end_kinds(steps, group, done, stored, marked, joint, terminated, truncated, marks):
-    """The batch-end marks, joint resets, marks whose group ended, and whether ends are stored.
+def _end_kinds(steps, group, done, stored, joint, terminated, truncated, marks):
+    """The possible batch-end marks, the joint resets, and the marks whose group ended together.
 
     ``joint`` as given (flat rows), or read from the done flags of each step
     (time-aligned rows with ``group``).
-
-    A producer stores its terminal observations in its done rows (raw
-    Gymnasium loops) once a stream showed it (the carry's ``STORES_ENDS``
-    bit) or a done row of this call that cannot be a mark is ``stored``. A
-    collector that marks batch ends zero-fills every real end, so from such
-    a producer a stored batch-end row is a real end, not a mark.
     """
     n = done.shape[0]
-    mark = _batch_end_marks(n, steps, done, terminated, truncated, marks)
-    stores = False
-    if mark.shape[0] > 0 and stored.shape[0] > 0:
-        for s in range(marked.shape[0]):
-            stores = stores or (marked[s] & STORES_ENDS) != 0
-        for i in range(n):
-            if stores:
-                break
-            stores = done[i] and stored[i] and not mark[i]
-        if stores:
-            for i in range(steps - 1, n, steps):
-                if mark[i] and stored[i]:
-                    mark[i] = False
+    mark = _batch_end_marks(n, steps, done, stored, terminated, truncated, marks)
     joint_marks = mark[:0]
     if group > 0 and steps > 0:
         joint = _joint_rows(n, steps, group, done, mark, False)
         if mark.shape[0] > 0:
             joint_marks = _joint_rows(n, steps, group, done, mark, True)
-    return mark, joint, joint_marks, stores
+    return mark, joint, joint_marks
 
 
 @njit(cache=True, nogil=True)
-def _batch_end_marks(n, steps, done, terminated, truncated, marks):
+def _batch_end_marks(n, steps, done, stored, terminated, truncated, marks):
     """Per row, a possible batch-end mark (see :func:`plan`), or empty if none can be."""
-    if not marks or steps == 0 or truncated.shape[0] == 0:
+    if marks == NO_MARKS or steps == 0 or truncated.shape[0] == 0:
         return np.zeros(0, np.bool_)
     has_terminated = terminated.shape[0] > 0
+    unstored_only = marks == UNSTORED_MARKS and stored.shape[0] > 0
     mark = np.zeros(n, np.bool_)
     for i in range(steps - 1, n, steps):
         if done[i] and truncated[i] and not (has_terminated and terminated[i]):
-            mark[i] = True
+            mark[i] = not (unstored_only and stored[i])
     return mark
 
 

@@ -27,7 +27,15 @@ from cleanbuf.engine._flags import (
     row_flags_or_none,
     stored_rows,
 )
-from cleanbuf.engine._kernels import NEED_INIT, PENDING, SHIFT, WAITING
+from cleanbuf.engine._kernels import (
+    ANY_MARKS,
+    NEED_INIT,
+    NO_MARKS,
+    PENDING,
+    SHIFT,
+    UNSTORED_MARKS,
+    WAITING,
+)
 from cleanbuf.engine._keys import (
     TRAJ_IDS,
     batch_leaves,
@@ -68,7 +76,11 @@ class Call:
     def kernel_flags(self, options: Options) -> dict:
         """The per-row flags and switches of the planning kernel for this call."""
         views, layout = self.views, self.layout
-        marks = self.rules.marks and (len(self.restart) > 0 or self.ends is not None)
+        marks = NO_MARKS
+        if self.rules.marks and (len(self.restart) > 0 or self.ends is not None):
+            # A collector writes trajectory ids; rows without them (raw loops)
+            # are never marked, so their stored batch-end truncations are ends.
+            marks = ANY_MARKS if TRAJ_IDS in views.tensors else UNSTORED_MARKS
         group = 0
         if options.joint_reset and options.joint_key is None:
             group = options.reset_group_size or layout.n_streams
