@@ -327,3 +327,14 @@ def test_torchrl_joint_resets_still_count_their_losses():
     assert not (rows["next", "observation"] == 0).all(-1).any(), "a zero fill was kept"
     lost = compare_streams(streams_from_rows(rows), oracle, min_rows=steps * batches - 1)
     assert lost == n_nan
+
+
+def test_terminal_obs_in_done_row_false_is_deprecated():
+    """``terminal_obs_in_done_row=False`` could only turn stored terminal
+    observations into NaN; the data decides now. Bug caught: the option
+    still accepted silently (and obeyed), or refused outright (breaking
+    code that passed it).
+    """
+    with pytest.warns(DeprecationWarning, match="read from the data"):
+        filt = AutoresetFilter("next_step", terminal_obs_in_done_row=False)
+    assert filt.options.terminal_obs_in_done_row is None

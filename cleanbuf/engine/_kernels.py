@@ -18,8 +18,9 @@ bits; two more bits carry the bookkeeping fixes):
 * ``STITCHED``: a row whose next observation comes from a later row of this
   call (``next_src``), emitted.
 * ``LOST``: a row whose next observation is gone (a done row after
-  TorchRL's joint reset in next-step mode; no final observation in
-  same-step mode; a row whose successor is a restart).
+  TorchRL's joint reset in next-step mode, unless its next observation is
+  ``stored``; no final observation in same-step mode; a row whose
+  successor is a restart).
 * ``FINAL``: a same-step done row whose next observation is its own
   final-observation entry, emitted.
 
