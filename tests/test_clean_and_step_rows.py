@@ -98,10 +98,10 @@ def test_step_rows_reads_gymnasium_and_sb3_infos_with_dict_observations():
 def test_stacked_steps_clean_like_single_steps():
     """The README's faster raw loop: 32 steps of ``step_rows`` stacked as
     ``[E, 32]`` per extend (``layout="time_last"``, no other option) store,
-    env by env, the rows that one extend per step stores. Bugs caught: a reset row kept or a real step
-    dropped when a done row ends one stacked call and its reset row opens
-    the next, the raw loop's terminal observation overwritten by the next
-    row's, a stream's rows reordered.
+    env by env, the rows that one extend per step stores. Bugs caught: a
+    reset row kept or a real step dropped when a done row ends one stacked
+    call and its reset row opens the next, the raw loop's terminal
+    observation overwritten by the next row's, a stream's rows reordered.
     """
     import gymnasium as gym
     from torchrl.data import LazyTensorStorage, ReplayBuffer

@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cleanbuf.engine._kernels import read_fills
 from cleanbuf.engine._keys import row_flags
-from cleanbuf.engine._move import Views
+from cleanbuf.engine._move import SMALL_ROW_BYTES, Views
 from cleanbuf.engine._options import Options
 
 NONE = np.zeros(0, np.bool_)
@@ -97,19 +98,23 @@ def stored_rows(rows: Views, obs_keys, done: np.ndarray) -> np.ndarray:
     for k in obs_keys:
         nk = ("next", *k)
         a = rows[nk]
-        if a is None:
+        if a is None:  # torch ops (CUDA, dtypes numpy lacks)
             x = rows.flat(nk)
-            x = x.index_select(0, torch.from_numpy(done_rows).to(x.device)).reshape(
-                len(done_rows), -1
-            )
-            zero, any_nan = (x == 0).all(1), (x.isnan().any(1) if x.is_floating_point() else None)
-            filled &= zero.cpu().numpy()
-            if any_nan is not None:
-                nan |= any_nan.cpu().numpy()
+            x = x.index_select(0, torch.from_numpy(done_rows).to(x.device))
+            x = x.reshape(len(done_rows), -1)
+            filled &= (x == 0).all(1).cpu().numpy()
+            if x.is_floating_point():
+                nan |= x.isnan().any(1).cpu().numpy()
             continue
-        x = a.reshape(rows.n_rows, -1)[done_rows]
-        filled &= (x == 0).all(1)
-        if x.dtype.kind in "fc":
+        x = a.reshape(rows.n_rows, -1)
+        floating = x.dtype.kind in "fc"
+        if x.shape[1] * x.itemsize <= SMALL_ROW_BYTES and x.dtype != np.float16:  # (numba lacks it)
+            read_fills(x.view(np.uint8) if x.dtype == np.bool_ else x, done_rows, floating,
+                       filled, nan)  # fmt: skip
+            continue
+        x = x[done_rows]  # wide rows: numpy's vectorized scans
+        filled &= ~x.any(1)  # (-0.0 is 0; NaN is not, and is read below)
+        if floating:
             nan |= np.isnan(x).any(1)
     out = np.zeros(len(done), np.bool_)
     out[done_rows] = ~(filled | nan)

@@ -434,6 +434,34 @@ def stream_ends(obs, next_obs, steps, last_next, first_before):
     return first, last, cont, same_first
 
 
+@njit(cache=True, nogil=True)
+def read_fills(x, rows, floating, zero, nan):
+    """Reads which of ``rows`` a producer filled in: all zeros, or any NaN.
+
+    One pass over the bytes of those rows only (the done rows of a call), a
+    row of integers left at its first nonzero element.
+
+    Args:
+        x: [N, W] the rows' values (one observation key, flattened).
+        rows: int64[R] the rows to read.
+        floating: ``x`` holds floating-point values (NaN possible).
+        zero: bool[R], updated in place: cleared where the row holds a
+            nonzero element (a row is zero-filled only if every key's is 0).
+        nan: bool[R], updated in place: set where the row holds a NaN.
+    """
+    for j in range(rows.shape[0]):
+        row = x[rows[j]]
+        for v in row:
+            if floating and v != v:
+                nan[j] = True
+                zero[j] = False
+                break
+            if v != 0:
+                zero[j] = False
+                if not floating:
+                    break
+
+
 class Selection(NamedTuple):
     """The rows of one call, as :func:`select_rows` returns them (see there)."""
 
