@@ -174,8 +174,8 @@ def plan(n, steps, stream, done, stored, joint, group, final_ok, final_default, 
         sparse array would touch every page of 8 bytes a row);
         per-stream what happens to the stream's held row from an earlier
         call (a source row, ``RELEASED_LOST``, ``RELEASED_AS_IS``,
-        ``RELEASED_STORED``, or -1: still held); the new carry state (a fresh array; the input is
-        untouched); the counts of reset rows, lost terminal observations
+        ``RELEASED_STORED``, or -1: still held); the new carry state (a
+        fresh array; the input is untouched); the counts of reset rows, lost terminal observations
         (done rows) and lost next observations (other rows) of this call's
         rows, and of completed episodes; and the first supposed
         reset row that fails the check (-1 if none; the rest is then
