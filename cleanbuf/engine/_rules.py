@@ -26,8 +26,9 @@ class Rules(NamedTuple):
         marks: a done, truncated, not terminated row on a call's last step
             may be only a collector's batch-end mark (next-step time-last
             batches, as TorchRL collectors write them): the next row
-            decides, unless the producer shows that it stores terminal
-            observations in done rows (raw loops, which never mark).
+            decides. Where the rows carry no collector trajectory ids (raw
+            loops, which never mark), only a row whose next observation is
+            not stored can be one (see the planning kernel's ``marks``).
 
     Examples:
         >>> Rules.of(Options(mode="next_step"), False, "time_last")
