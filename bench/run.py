@@ -481,6 +481,7 @@ def kernel_scaling(table: Table, quick: bool) -> dict:
             n // 8,  # steps
             np.zeros(0, np.int64),  # stream
             done,
+            none,  # stored
             none,  # joint
             0,  # group
             none,  # final_ok

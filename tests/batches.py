@@ -34,7 +34,10 @@ def grid_td(raw, stream_shape, *, final=False, obs_only=False, marks=False):
     ``final`` adds the same-step final-observation entry and its mask;
     ``obs_only`` leaves out ``("next", "observation")``; ``marks`` adds
     ``("next", "terminated")`` (the env's own ends) and
-    ``("next", "truncated")`` (the collector's batch-end marks).
+    ``("next", "truncated")`` (the collector's batch-end marks), and the
+    collector's ``("collector", "traj_ids")`` (a new id at each episode
+    start, the reset row's being the next episode's, as TorchRL numbers
+    them): only a collector marks batch ends, and its rows carry them.
     """
     steps = len(raw[0])
     td = TensorDict(batch_size=[*stream_shape, steps])
@@ -50,6 +53,9 @@ def grid_td(raw, stream_shape, *, final=False, obs_only=False, marks=False):
         done = td.get(("next", "done")).reshape(mark.shape)
         td.set(("next", "truncated"), mark.reshape(*stream_shape, steps, 1))
         td.set(("next", "terminated"), (done & ~mark).reshape(*stream_shape, steps, 1))
+        starts = torch.tensor([[bool(r["is_init"]) for r in rows] for rows in raw])
+        traj = starts.reshape(-1).cumsum(0).reshape(starts.shape)
+        td.set(("collector", "traj_ids"), traj.reshape(*stream_shape, steps))
     td.set(
         "stream",
         torch.arange(len(raw)).reshape(*stream_shape, 1).expand(*stream_shape, steps).clone(),

@@ -31,7 +31,16 @@ FIELDS = (
 NAN = math.nan
 
 
-def reference_clean(rows, *, mode="next_step", obs_only=False, compact=False, flush_lost=True):
+def stored(row):
+    """Whether a done row's stored next observation is its terminal one: read
+    from the data, neither zero-filled nor NaN (observations here are never 0
+    otherwise).
+    """
+    nxt = row["next_obs"]
+    return bool(row["done"]) and nxt != 0 and not math.isnan(nxt)
+
+
+def reference_clean(rows, *, mode="next_step", obs_only=False, compact=False):
     """Cleans one stream, row by row.
 
     Args:
@@ -47,8 +56,10 @@ def reference_clean(rows, *, mode="next_step", obs_only=False, compact=False, fl
         obs_only: the rows' ``next_obs`` is not stored; it comes from the
             next row (or a done row's final entry).
         compact: observation-only output: no ``next_obs`` is written at all.
-        flush_lost: next-step full rows: whether a done row still waiting
-            for its reset row at the end has lost its terminal observation.
+
+    A next-step done row whose next observation is :func:`stored` is
+    complete: emitted at once, never lost (at a restart, a joint reset or
+    the end); only its reset row is dropped.
 
     Returns:
         The cleaned rows (dicts with the keys of ``FIELDS``; without
@@ -64,7 +75,7 @@ def reference_clean(rows, *, mode="next_step", obs_only=False, compact=False, fl
         ends = row["done"] and not row.get("mark")
         is_reset_row = reset_row_next and row["reward"] == 0 and not ends
         if marked is not None:
-            if row["is_init"] and not is_reset_row:
+            if row["is_init"] and not is_reset_row and not stored(marked):
                 # A restart after a mark: the row may have ended (its terminal
                 # observation zero-filled) or not; its next observation is unknown.
                 marked["next_obs"] = NAN
@@ -111,8 +122,12 @@ def reference_clean(rows, *, mode="next_step", obs_only=False, compact=False, fl
                 row["next_obs"] = final if final_ok else NAN
                 out.append(row)
             elif joint:
-                row["next_obs"] = NAN  # the joint reset lost it for good
+                if obs_only or not stored(row):
+                    row["next_obs"] = NAN  # the joint reset lost it for good
                 out.append(row)
+            elif not obs_only and stored(row):
+                reset_row_next = True
+                out.append(row)  # complete: only its reset row goes
             else:
                 reset_row_next = True
                 waiting = row  # its reset row holds the terminal observation
@@ -121,12 +136,12 @@ def reference_clean(rows, *, mode="next_step", obs_only=False, compact=False, fl
             waiting = row
             continue
         out.append(row)
-    if waiting is not None:
-        if obs_only or flush_lost:
-            waiting["next_obs"] = NAN
+    if waiting is not None:  # its next observation never came
+        waiting["next_obs"] = NAN
         out.append(waiting)
-    if marked is not None:  # still undecided at the flush
-        marked["next_obs"] = NAN
+    if marked is not None:  # still undecided at the flush: kept if stored
+        if obs_only or not stored(marked):
+            marked["next_obs"] = NAN
         out.append(marked)
     return out
 
@@ -156,7 +171,8 @@ def simulate(
         group: next-step only: reset-group size for TorchRL's joint reset
             (None: a reset row after every done row).
         zero_fill: next-step only: the done row's next observation is zero
-            (TorchRL) rather than the terminal observation (raw loops).
+            (TorchRL) rather than the terminal observation (raw loops); a
+            float: the chance of that, per done row (read per row).
         max_len: longest episode.
         final_missing: same-step only: chance that a done row has no final
             observation.
@@ -170,9 +186,8 @@ def simulate(
     Returns:
         ``(raw, truth)``: per stream, the produced rows and the rows an
         explicit-reset run gives (terminal observations that the producer
-        lost are NaN; a next-step episode still waiting for its reset row at
-        the end keeps what the producer put in its done row, NaN when
-        zero-filled).
+        lost are NaN: zero-filled with no reset row after them; a stored
+        one is never lost).
     """
     raw = [[] for _ in range(n_streams)]
     truth = [[] for _ in range(n_streams)]
@@ -187,10 +202,8 @@ def simulate(
         mark = bool(mark_every) and t % mark_every == mark_every - 1
         if t in restart_at:
             for e in range(n_streams):
-                if reset_due[e] and zero_fill:
+                if reset_due[e] and raw[e][-1]["zeroed"]:
                     truth[e][-1]["next_obs"] = NAN  # the reset discarded its reset row
-                if _is_mark(raw[e]):
-                    truth[e][-1]["next_obs"] = NAN  # a mark, then a restart: undecidable
             reset_due[:] = False
             fresh[:] = True
             count[:] = 0
@@ -219,12 +232,14 @@ def simulate(
             done = bool(remaining[e] == 0)
             terminal = float(100_000 + 1000 * e + t)
             true_next = terminal if done else float(1000 * e + t + 1)
+            zeroed = False
             if not done:
                 stored_next = true_next
             elif mode == "same_step":
                 stored_next = float(1000 * e + t + 1)  # the reset observation
             else:
-                stored_next = 0.0 if zero_fill else terminal
+                zeroed = bool(zero_fill is True or (zero_fill and rng.random() < zero_fill))
+                stored_next = 0.0 if zeroed else terminal
             final_ok = mode == "same_step" and done and rng.random() >= final_missing
             row = dict(
                 obs=obs,
@@ -243,6 +258,7 @@ def simulate(
                     final=terminal if final_ok else 0.0,
                     final_ok=final_ok,
                     mark=mark and not done,
+                    zeroed=zeroed,
                 )
             )
             true_row = dict(
@@ -273,25 +289,19 @@ def simulate(
             lo = (e // group) * group if group else e
             if group is not None and done_now[lo : lo + group].all():
                 raw[e][-1]["joint"] = True
-                truth_now[e]["next_obs"] = NAN
+                if raw[e][-1]["zeroed"]:
+                    truth_now[e]["next_obs"] = NAN
                 fresh[e] = True
                 count[e] = 0
             else:
                 reset_due[e] = True
     for e in range(n_streams):
-        if reset_due[e] and zero_fill:
+        if reset_due[e] and raw[e][-1]["zeroed"]:
             truth[e][-1]["next_obs"] = NAN  # its reset row never arrived: lost at flush
-        if _is_mark(raw[e]):
-            truth[e][-1]["next_obs"] = NAN  # a mark still undecided at the flush
     return raw, truth
 
 
-def _is_mark(rows):
-    """Whether a stream's last row is a mark on a real transition (a mark on a
-    reset row goes with the reset row).
-    """
-    return bool(rows) and rows[-1]["mark"] and rows[-1]["reward"] != 0
-
-
-def _with_flags(row, terminal=None, final=0.0, final_ok=False, mark=False):
-    return row | dict(joint=False, terminal=terminal, final=final, final_ok=final_ok, mark=mark)
+def _with_flags(row, terminal=None, final=0.0, final_ok=False, mark=False, zeroed=False):
+    return row | dict(
+        joint=False, terminal=terminal, final=final, final_ok=final_ok, mark=mark, zeroed=zeroed
+    )

@@ -97,12 +97,11 @@ def test_step_rows_reads_gymnasium_and_sb3_infos_with_dict_observations():
 
 def test_stacked_steps_clean_like_single_steps():
     """The README's faster raw loop: 32 steps of ``step_rows`` stacked as
-    ``[E, 32]`` per extend (``layout="time_last"``,
-    ``terminal_obs_in_done_row=True``) store, env by env, the rows that one
-    extend per step stores. Bugs caught: a reset row kept or a real step
-    dropped when a done row ends one stacked call and its reset row opens
-    the next, the raw loop's terminal observation overwritten by the next
-    row's, a stream's rows reordered.
+    ``[E, 32]`` per extend (``layout="time_last"``, no other option) store,
+    env by env, the rows that one extend per step stores. Bugs caught: a
+    reset row kept or a real step dropped when a done row ends one stacked
+    call and its reset row opens the next, the raw loop's terminal
+    observation overwritten by the next row's, a stream's rows reordered.
     """
     import gymnasium as gym
     from torchrl.data import LazyTensorStorage, ReplayBuffer
@@ -133,7 +132,7 @@ def test_stacked_steps_clean_like_single_steps():
         return [out[out["env"] == e] for e in range(envs)]
 
     one = store(AutoresetFilter("next_step", layout="step"), rows)
-    stacked_filt = AutoresetFilter("next_step", layout="time_last", terminal_obs_in_done_row=True)
+    stacked_filt = AutoresetFilter("next_step", layout="time_last")
     calls = [torch.stack(rows[i : i + stack], dim=-1) for i in range(0, steps, stack)]
     stacked = store(stacked_filt, calls)
     for e in range(envs):

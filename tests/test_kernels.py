@@ -16,7 +16,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cleanbuf.engine._kernels import RELEASED_AS_IS, RELEASED_LOST, Selection, plan_rows
+from cleanbuf.engine._kernels import (
+    RELEASED_AS_IS,
+    RELEASED_LOST,
+    RELEASED_STORED,
+    Selection,
+    plan_rows,
+)
 from tests.reference import reference_clean, simulate
 from tests.test_properties import time_bounds
 
@@ -38,8 +44,10 @@ def _kernel_rows(raw, bounds, joint_group):
         done = field["done"][:, a:b].reshape(-1).astype(bool)
         reward = field["reward"][:, a:b].reshape(-1)
         restart = field["is_init"][:, a:b].reshape(-1).astype(bool)
+        stored = done & (nxt != 0) & ~np.isnan(nxt)  # what the read step computes
         sel, released, carry, *_, bad = plan_rows(
-            n=n * steps, steps=steps, stream=np.zeros(0, np.int64), done=done, joint=NONE,
+            n=n * steps, steps=steps, stream=np.zeros(0, np.int64), done=done, stored=stored,
+            joint=NONE,
             group=joint_group or 0, final_ok=NONE, final_default=False, reward=reward,
             restart=restart, terminated=NONE, truncated=NONE, marks=False,
             cont=np.zeros(0, np.uint8), carry=carry, reset_rows=True, successor=False,
@@ -57,7 +65,7 @@ def _kernel_rows(raw, bounds, joint_group):
             elif src == RELEASED_LOST:
                 row_next = math.nan
             else:
-                assert src == RELEASED_AS_IS
+                assert src in (RELEASED_AS_IS, RELEASED_STORED)
             out[s].append((row_obs, row_next))
         stitched = dict(zip(sel.stitched.tolist(), sel.stitched_src.tolist()))
         lost = set(sel.lost.tolist())
@@ -66,7 +74,8 @@ def _kernel_rows(raw, bounds, joint_group):
             out[row // steps].append((obs[row], math.nan if pos in lost else row_next))
         for row in sel.hold.tolist():
             held[row // steps] = (obs[row], nxt[row])
-    for s, (row_obs, _) in held.items():  # the flush: zero-filled, so lost
+    for s, (row_obs, row_next) in held.items():  # the flush: lost unless stored
+        assert row_next == 0 or math.isnan(row_next), "a stored done row was held"
         out[s].append((row_obs, math.nan))
     return out
 
@@ -89,19 +98,27 @@ def _same(got, want):
     steps=st.integers(1, 40),
     joint=st.booleans(),
     restarts=st.booleans(),
+    zero_fill=st.sampled_from([True, False, 0.5]),
     data=st.data(),
 )
-def test_plan_rows_selects_what_the_reference_keeps(seed, n, steps, joint, restarts, data):
-    """Bugs caught: a reset row kept or a real row dropped, a next
+def test_plan_rows_selects_what_the_reference_keeps(
+    seed, n, steps, joint, restarts, zero_fill, data
+):
+    """Done rows zero-filled (TorchRL), holding their terminal observation
+    (raw loops), or either, row by row (the ``stored`` flag).
+
+    Bugs caught: a reset row kept or a real row dropped, a next
     observation taken from another row or stream, a held row released at
     the wrong call or never, a joint reset's or a restart's lost terminal
-    observation not marked, rows of a stream out of order.
+    observation not marked, rows of a stream out of order, a stored
+    terminal observation held, replaced by NaN or counted lost at a joint
+    reset, a restart or the end.
     """
     bounds = time_bounds(data, steps)
     inner = bounds[1:-1]  # collector resets happen between calls
     restart_at = data.draw(st.sets(st.sampled_from(inner))) if restarts and inner else set()
     raw, _ = simulate(np.random.default_rng(seed), n, steps, group=n if joint else None,
-                      restart_at=restart_at)  # fmt: skip
+                      restart_at=restart_at, zero_fill=zero_fill)  # fmt: skip
     got = _kernel_rows(raw, bounds, n if joint else 0)
     for e in range(n):
         want = _pairs(reference_clean(raw[e]))

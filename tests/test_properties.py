@@ -143,23 +143,25 @@ def lossless(filt, raw):
     per_worker=st.integers(1, 3),
     steps=st.integers(1, 40),
     joint=st.booleans(),
-    in_done_row=st.booleans(),
+    zero_fill=st.sampled_from([True, False, 0.5]),
     max_len=st.integers(1, 6),
     data=st.data(),
 )
 def test_time_last_random_boundaries(
-    seed, workers, per_worker, steps, joint, in_done_row, max_len, data
+    seed, workers, per_worker, steps, joint, zero_fill, max_len, data
 ):
     """[W, n, T] collector-like batches cut at random time boundaries; done rows
-    zero-filled (TorchRL: they wait for their reset row) or holding their
-    terminal observation (emitted at once).
+    zero-filled (TorchRL: they wait for their reset row), holding their
+    terminal observation (raw loops: emitted at once), or either, row by row
+    (read from the data: no option says which).
 
     Bugs caught: a held done row lost or duplicated across calls, a reset row
     at the start of a call not recognised, the next observation taken from
     the wrong row or stream, step_count / is_init not carried across calls,
     a joint reset decided over the wrong group, state lost in a
     state_dict / pickle round trip, a done row emitted at once although its
-    terminal observation is not in it (or held although it is).
+    terminal observation is not in it (or held although it is), a stored
+    terminal observation replaced by NaN at a joint reset or the flush.
     """
     rng = np.random.default_rng(seed)
     n = workers * per_worker
@@ -169,7 +171,7 @@ def test_time_last_random_boundaries(
         steps,
         group=per_worker if joint else None,
         max_len=max_len,
-        zero_fill=not in_done_row,
+        zero_fill=zero_fill,
     )
     td = grid_td(raw, (workers, per_worker))
     calls = cut_in_time(data, td, steps)
@@ -178,7 +180,6 @@ def test_time_last_random_boundaries(
         "next_step",
         joint_reset=joint,
         reset_group_size=per_worker if joint else None,
-        terminal_obs_in_done_row=in_done_row,
     )
 
     def nothing_held(f):
@@ -189,9 +190,8 @@ def test_time_last_random_boundaries(
         calls,
         raw,
         truth,
-        flush_lost=not in_done_row,
         restore_at=restore_at,
-        after_call=nothing_held if in_done_row else None,
+        after_call=nothing_held if zero_fill is False else None,
     )
 
 
@@ -322,7 +322,7 @@ def test_step_layout_one_step_per_call(seed, n, steps, joint, bookkeeping):
         dropped += ("step_count", "next_step_count")
     calls = [td[:, t] for t in range(steps)]
     filt = AutoresetFilter("next_step", layout="step", joint_reset=joint)
-    run_and_check(filt, calls, raw, truth, flush_lost=False, drop_fields=dropped)
+    run_and_check(filt, calls, raw, truth, drop_fields=dropped)
 
 
 @settings(max_examples=40, deadline=None)
@@ -353,9 +353,7 @@ def test_stream_key_interleaved_rows(seed, n, steps, data):
     )
     bounds = [0, *cuts, n * steps]
     calls = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-    run_and_check(
-        AutoresetFilter("next_step", stream_key="sid"), calls, raw, truth, flush_lost=False
-    )
+    run_and_check(AutoresetFilter("next_step", stream_key="sid"), calls, raw, truth)
 
 
 @contextlib.contextmanager
@@ -401,10 +399,11 @@ def test_numpy_and_torch_paths_agree(seed, n, steps, variant, joint, wide, data)
     raw, _ = simulate(rng, n, steps, mode=mode, group=n if joint else None, final_missing=0.2)
     td = grid_td(raw, (n,), final=mode == "same_step", obs_only=obs_only)
     if wide:  # each observation value v becomes the row v, v + 1, ..., v + 4095
-        width = _patch.ROW_LOOP_BYTES // 4
+        width = _patch.ROW_LOOP_BYTES // 4  # (a zero-filled row stays zero-filled)
         for k in list(td.keys(True, True)):
             if (k if isinstance(k, str) else k[-1]) in ("observation", "final_obs"):
-                td.set(k, td.get(k) + torch.arange(width, dtype=torch.float32))
+                v = td.get(k)
+                td.set(k, v + torch.arange(width, dtype=torch.float32) * (v != 0))
     calls = cut_in_time(data, td, steps)
 
     def run():

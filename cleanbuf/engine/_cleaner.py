@@ -335,9 +335,10 @@ class Cleaner:
 
         A held row waits for the row after it: the reset row holding its
         terminal observation (next-step data), or its successor
-        (observation-only data). At a flush that row will not come. A done
-        row whose producer stores the terminal observation in the row itself
-        (``terminal_obs_in_done_row``) is complete; any other held row has
+        (observation-only data). At a flush that row will not come. A held
+        done row whose next observation is stored (read from the data: not
+        zero-filled, not NaN, as an undecided batch-end mark's) is complete
+        and returned as it is; any other held row has
         lost its next observation, and the lost-observation policy applies
         (counted in ``terminal_obs_missing`` for done rows and
         ``next_obs_missing`` for the others). A reset row arriving after a

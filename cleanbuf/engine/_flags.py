@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cleanbuf.engine._kernels import read_fills
 from cleanbuf.engine._keys import row_flags
-from cleanbuf.engine._move import Views
+from cleanbuf.engine._move import SMALL_ROW_BYTES, Views
 from cleanbuf.engine._options import Options
 
 NONE = np.zeros(0, np.bool_)
@@ -62,3 +63,59 @@ def joint_rows(options: Options, rows: Views, done: np.ndarray) -> np.ndarray:
     if not options.joint_reset or options.joint_key is None:
         return NONE
     return done & row_flags("joint_key", options.joint_key, rows)
+
+
+def stored_rows(rows: Views, obs_keys, done: np.ndarray) -> np.ndarray:
+    """Per done row, whether its next observation is stored (read from the data).
+
+    A done row's ``("next", k)`` holds its terminal observation unless the
+    producer filled it in: zero-filled (every element of every observation
+    key exactly 0, as TorchRL's collectors leave a next-step done row) or
+    NaN-filled (any NaN in a floating-point key, TorchRL's mark of a missing
+    next observation). Any other value is stored: it is never replaced and
+    never counted as lost. The one ambiguity: a terminal observation that is
+    truly 0 in every element reads as zero-filled. Where its reset row
+    follows, that row's observation (the same zeros) is written back, so
+    nothing changes; where none follows (a flush, a restart, a joint reset)
+    it is counted lost. Only done rows are read (one small gather each).
+
+    Returns:
+        bool ``[n_rows]`` (False on rows that are not done), or an empty
+        array when no row is done.
+
+    Examples:
+        >>> done = np.array([True, False, True, True])
+        >>> nxt = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 3.0], [float("nan"), 1.0]])
+        >>> rows = Views({("next", "observation"): nxt}, 1, 4)
+        >>> stored_rows(rows, [("observation",)], done).tolist()
+        [False, False, True, False]
+    """
+    done_rows = np.flatnonzero(done)
+    if not len(done_rows):
+        return NONE
+    filled = np.ones(len(done_rows), np.bool_)  # zero-filled so far
+    nan = np.zeros(len(done_rows), np.bool_)
+    for k in obs_keys:
+        nk = ("next", *k)
+        a = rows[nk]
+        if a is None:  # torch ops (CUDA, dtypes numpy lacks)
+            x = rows.flat(nk)
+            x = x.index_select(0, torch.from_numpy(done_rows).to(x.device))
+            x = x.reshape(len(done_rows), -1)
+            filled &= (x == 0).all(1).cpu().numpy()
+            if x.is_floating_point():
+                nan |= x.isnan().any(1).cpu().numpy()
+            continue
+        x = a.reshape(rows.n_rows, -1)
+        floating = x.dtype.kind in "fc"
+        if x.shape[1] * x.itemsize <= SMALL_ROW_BYTES and x.dtype != np.float16:  # (numba lacks it)
+            read_fills(x.view(np.uint8) if x.dtype == np.bool_ else x, done_rows, floating,
+                       filled, nan)  # fmt: skip
+            continue
+        x = x[done_rows]  # wide rows: numpy's vectorized scans
+        filled &= ~x.any(1)  # (-0.0 is 0; NaN is not, and is read below)
+        if floating:
+            nan |= np.isnan(x).any(1)
+    out = np.zeros(len(done), np.bool_)
+    out[done_rows] = ~(filled | nan)
+    return out

@@ -8,12 +8,12 @@ from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf.engine import _checks
 from cleanbuf.engine._carry import Carry
+from cleanbuf.engine._flags import stored_rows
 from cleanbuf.engine._kernels import JOINT_MARK, MARK, MARKED, MARKS_SEEN, WAITING
 from cleanbuf.engine._keys import done_flags, observation_keys
 from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._patch import as_td, fill_rows
-from cleanbuf.engine._rules import terminal_obs_in_done_row
 
 
 def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
@@ -21,12 +21,14 @@ def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
 
     A held row waits for the row after it: the reset row holding its
     terminal observation (next-step data), or its successor
-    (observation-only data). At a flush that row will not come. A done row
-    whose producer stores the terminal observation in the row itself
-    (``terminal_obs_in_done_row``) is complete; any other held row has lost
-    its next observation, and the lost-observation policy applies (counted
-    in ``terminal_obs_missing`` for done rows and ``next_obs_missing`` for
-    the others). ``carry`` and ``stats`` are updated in place.
+    (observation-only data). At a flush that row will not come. A held done
+    row whose next observation is stored (read from the data, as
+    :func:`~cleanbuf.engine._flags.stored_rows` reads it: a batch-end mark
+    still undecided, whose next observation is real) is complete and
+    returned as it is; any other held row has lost its next observation,
+    and the lost-observation policy applies (counted in
+    ``terminal_obs_missing`` for done rows and ``next_obs_missing`` for the
+    others). ``carry`` and ``stats`` are updated in place.
     """
     n_held = len(carry.held_stream)
     if n_held == 0:
@@ -35,15 +37,20 @@ def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
     bookkeeping = {k for k in (options.is_init_key, options.step_count_key) if k}
     obs_keys, obs_only = observation_keys(rows, options.observation_keys, bookkeeping)
     done = done_flags(Views(rows, 1, n_held), options.done_key)
-    in_done_row = terminal_obs_in_done_row(options, carry.layout_kind)
-    missing = np.ones(n_held, np.bool_) if obs_only else ~np.full(n_held, in_done_row)
-    # A batch-end candidate still undecided. Where the producer showed that
-    # it marks batch ends (a mark of the stream turned out to be one), maybe
-    # no episode end at all: its next observation is missing. Else a real
-    # end, whose terminal observation was zero-filled: lost.
+    if obs_only:
+        missing = np.ones(n_held, np.bool_)
+    elif options.terminal_obs_in_done_row:
+        missing = ~done
+    else:
+        stored = stored_rows(Views(rows, 1, n_held), obs_keys, done)
+        missing = ~stored if len(stored) else np.ones(n_held, np.bool_)
+    # A batch-end candidate still undecided, whose next observation is not
+    # stored. Where the producer showed that it marks batch ends (a mark of
+    # the stream turned out to be one), maybe no episode end at all: its
+    # next observation is missing. Else a real end, whose terminal
+    # observation was zero-filled: lost.
     flags = carry.per_stream[MARKED][carry.held_stream]
     marked = (flags & (MARK | JOINT_MARK)) != 0
-    missing |= marked
     done = done & ~(marked & ((flags & MARKS_SEEN) != 0))
     n_terminal = int((missing & done).sum())
     n_next = int((missing & ~done).sum())

@@ -18,8 +18,9 @@ bits; two more bits carry the bookkeeping fixes):
 * ``STITCHED``: a row whose next observation comes from a later row of this
   call (``next_src``), emitted.
 * ``LOST``: a row whose next observation is gone (a done row after
-  TorchRL's joint reset in next-step mode; no final observation in
-  same-step mode; a row whose successor is a restart).
+  TorchRL's joint reset in next-step mode, unless its next observation is
+  ``stored``; no final observation in same-step mode; a row whose
+  successor is a restart).
 * ``FINAL``: a same-step done row whose next observation is its own
   final-observation entry, emitted.
 
@@ -35,7 +36,9 @@ same-step                0           0          1      1       0
 same-step, obs-only      0           1          1      1       0
 =======================  ==========  =========  =====  ======  =========
 
-.. [*] 0 when the done row already holds its terminal observation.
+.. [*] A done row whose ``stored`` flag is set (its next observation is its
+   terminal observation, as raw Gymnasium and EnvPool loops write it) is
+   complete and emitted at once; only its reset row is dropped when it comes.
 """
 
 from __future__ import annotations
@@ -59,11 +62,16 @@ SHIFT_BIT = 16  # subtract 1 from this row's step counts
 # The rows of the carry state (int64[5, S], see plan).
 PENDING, WAITING, NEED_INIT, SHIFT, MARKED = range(5)
 # The values of the carry's MARKED row: an undecided mark (its group done with
-# it or not), and a bit kept once a stream showed that its producer marks.
-MARK, JOINT_MARK, MARKS_SEEN = 1, 2, 4
+# it or not), a bit kept once a stream showed that its producer marks, and a
+# bit set while the undecided mark's next observation is stored (complete as
+# it is, whatever the next row says).
+MARK, JOINT_MARK, MARKS_SEEN, STORED = 1, 2, 4, 8
+# The values of plan's marks: which batch-end rows may be a collector's mark.
+NO_MARKS, ANY_MARKS, UNSTORED_MARKS = 0, 1, 2
 # What plan's released_src says of a held row, besides its source row.
 RELEASED_LOST = -2  # released with its next observation lost (a restart cut it off)
 RELEASED_AS_IS = -3  # released as stored (its end was only a collector's mark)
+RELEASED_STORED = -4  # released as stored (a real end whose terminal obs it holds)
 
 # An empty row index, shared (read-only) wherever a call has no such rows.
 NO_ROWS = np.zeros(0, np.int64)
@@ -71,7 +79,7 @@ NO_ROWS.flags.writeable = False
 
 
 @njit(cache=True, nogil=True)
-def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, restart,
+def plan(n, steps, stream, done, stored, joint, group, final_ok, final_default, reward, restart,
          terminated, truncated, marks, cont, carry, reset_rows, successor, final, stitch,
          hold_done):  # fmt: skip
     """Plans one call from flags and the carry state, in one pass over the rows.
@@ -88,6 +96,14 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
             when ``steps`` is 0. Rows of one stream are in time order;
             streams may interleave freely.
         done: bool[N], the row ends an episode.
+        stored: bool[N] or empty (none): per done row, its next observation
+            is stored (neither zero-filled nor NaN-filled: see
+            :func:`cleanbuf.engine._flags.stored_rows`), so it is the
+            terminal observation. Next-step mode: such a row needs no reset
+            row to complete it; it is emitted at once (a batch-end mark
+            candidate is held to be decided, and kept as stored whatever is
+            decided), is never lost (not at a restart, not at a joint
+            reset), and only its reset row is dropped when it comes.
         joint: bool[N] or empty: a done row at a step where its whole reset
             group is done, so no reset row follows it (next-step mode), as
             given with flat rows (``joint_key``).
@@ -114,7 +130,14 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
             stream's next row decides: a restart (``restart`` where the rows
             have it, else a first row that does not continue the stream,
             ``cont``) means a real episode end, any other row means it was
-            only a mark and the row is complete as stored.
+            only a mark and the row is complete as stored. ``NO_MARKS``
+            (False): none; ``ANY_MARKS`` (True): any such row (TorchRL
+            collector batches, which carry trajectory ids);
+            ``UNSTORED_MARKS``: only one whose next observation is not
+            ``stored`` (other rows: a producer that writes no trajectory
+            ids is no collector and never marks, so its stored batch-end
+            truncation, as a raw loop writes it, is a real end; a
+            zero-filled one is held and decided either way).
         cont: uint8[S] or empty: per stream, 1 where this call's first row
             continues the last call's last row (its observation equals that
             row's stored next observation, byte for byte).
@@ -137,11 +160,11 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
             entry.
         stitch: next observations are written (False: compact output, where
             no row waits).
-        hold_done: next-step mode: a done row waits for its reset row (whose
-            observation is its terminal one). False when the producer already
-            stored the terminal observation in the done row (raw Gymnasium
-            and EnvPool loops): the done row is then emitted at once, and only
-            its reset row is dropped when it comes.
+        hold_done: next-step mode: a done row whose terminal observation is
+            not ``stored`` waits for its reset row (whose observation is its
+            terminal one). False: every done row is emitted at once, as
+            stored (``terminal_obs_in_done_row=True``, and ``[T, E]``
+            rollouts repaired in place, which hold no column).
 
     Returns:
         ``(code, next_src, released_src, carry, n_drop, n_lost, n_next_lost,
@@ -150,9 +173,9 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
         empty when ``steps > 0``: the source is then the next row, and a
         sparse array would touch every page of 8 bytes a row);
         per-stream what happens to the stream's held row from an earlier
-        call (a source row, ``RELEASED_LOST``, ``RELEASED_AS_IS``, or -1:
-        still held); the new carry state (a fresh array; the input is
-        untouched); the counts of reset rows, lost terminal observations
+        call (a source row, ``RELEASED_LOST``, ``RELEASED_AS_IS``,
+        ``RELEASED_STORED``, or -1: still held); the new carry state (a
+        fresh array; the input is untouched); the counts of reset rows, lost terminal observations
         (done rows) and lost next observations (other rows) of this call's
         rows, and of completed episodes; and the first supposed
         reset row that fails the check (-1 if none; the rest is then
@@ -166,8 +189,11 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
     shift = carry[SHIFT]
     marked = carry[MARKED]
     has_restart = restart.shape[0] > 0
+    has_stored = stored.shape[0] > 0
     check = reward.shape[0] > 0
-    mark, joint, joint_marks = _end_kinds(steps, group, done, joint, terminated, truncated, marks)
+    mark, joint, joint_marks = _end_kinds(
+        steps, group, done, stored, joint, terminated, truncated, marks
+    )
     has_mark = mark.shape[0] > 0
     has_joint = joint.shape[0] > 0
     code = np.empty(n, np.int8)
@@ -184,8 +210,11 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
         force = False  # a restart, whatever the row looks like
         first = not seen[s]
         seen[s] = True
+        lost_code = RELEASED_LOST  # what a restart makes of a held row
         if marked[s] & (MARK | JOINT_MARK):
             # The stream's last row was a batch-end mark: this row decides.
+            if marked[s] & STORED:
+                lost_code = RELEASED_STORED
             fresh, force, real = _decide_mark(s, fresh, has_restart, cont, first, marked, pending)
             if real:
                 n_done += 1  # a real episode end; go on as after any done row
@@ -197,7 +226,7 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
             fresh and (not pending[s] or (first and (ends or (check and reward[i] != 0))))
         ):
             # A restart (not the expected reset row; see restart above).
-            o = _close(s, LOST, RELEASED_LOST, open_row, waiting, code, released_src)
+            o = _close(s, LOST, lost_code, open_row, waiting, code, released_src)
             if o >= 0:
                 n_lost += done[o]
                 n_next_lost += not done[o]
@@ -227,17 +256,22 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
             need_init[s] = False
         if shift[s]:
             c |= SHIFT_BIT
+        row_stored = has_stored and stored[i]
+        is_mark = has_mark and mark[i]
         if done[i]:
-            if has_mark and mark[i]:
+            if is_mark:
                 # counted, and the shift ended, once decided
                 marked[s] |= JOINT_MARK if joint_marks.shape[0] and joint_marks[i] else MARK
+                if row_stored:
+                    marked[s] |= STORED
             else:
                 n_done += 1
                 shift[s] = 0
             if reset_rows:
                 if has_joint and joint[i]:
-                    code[i] = c | LOST
-                    n_lost += 1
+                    # No reset row comes: lost, unless the row holds it.
+                    code[i] = c if row_stored else c | LOST
+                    n_lost += not row_stored
                     continue
                 pending[s] = True
             elif final:
@@ -248,7 +282,7 @@ def plan(n, steps, stream, done, joint, group, final_ok, final_default, reward, 
         elif not successor:
             code[i] = c
             continue
-        if stitch and (successor or (done[i] and hold_done)):
+        if stitch and (successor or (done[i] and hold_done and (is_mark or not row_stored))):
             code[i] = c | HOLD
             open_row[s] = i
         else:
@@ -302,14 +336,14 @@ def _decide_mark(s, fresh, has_restart, cont, first, marked, pending):
 
 
 @njit(cache=True, nogil=True)
-def _end_kinds(steps, group, done, joint, terminated, truncated, marks):
+def _end_kinds(steps, group, done, stored, joint, terminated, truncated, marks):
     """The possible batch-end marks, the joint resets, and the marks whose group ended together.
 
     ``joint`` as given (flat rows), or read from the done flags of each step
     (time-aligned rows with ``group``).
     """
     n = done.shape[0]
-    mark = _batch_end_marks(n, steps, done, terminated, truncated, marks)
+    mark = _batch_end_marks(n, steps, done, stored, terminated, truncated, marks)
     joint_marks = mark[:0]
     if group > 0 and steps > 0:
         joint = _joint_rows(n, steps, group, done, mark, False)
@@ -319,15 +353,16 @@ def _end_kinds(steps, group, done, joint, terminated, truncated, marks):
 
 
 @njit(cache=True, nogil=True)
-def _batch_end_marks(n, steps, done, terminated, truncated, marks):
+def _batch_end_marks(n, steps, done, stored, terminated, truncated, marks):
     """Per row, a possible batch-end mark (see :func:`plan`), or empty if none can be."""
-    if not marks or steps == 0 or truncated.shape[0] == 0:
+    if marks == NO_MARKS or steps == 0 or truncated.shape[0] == 0:
         return np.zeros(0, np.bool_)
     has_terminated = terminated.shape[0] > 0
+    unstored_only = marks == UNSTORED_MARKS and stored.shape[0] > 0
     mark = np.zeros(n, np.bool_)
     for i in range(steps - 1, n, steps):
         if done[i] and truncated[i] and not (has_terminated and terminated[i]):
-            mark[i] = True
+            mark[i] = not (unstored_only and stored[i])
     return mark
 
 
@@ -397,6 +432,34 @@ def stream_ends(obs, next_obs, steps, last_next, first_before):
                 same_first = False
         cont[s] = equal
     return first, last, cont, same_first
+
+
+@njit(cache=True, nogil=True)
+def read_fills(x, rows, floating, zero, nan):
+    """Reads which of ``rows`` a producer filled in: all zeros, or any NaN.
+
+    One pass over the bytes of those rows only (the done rows of a call), a
+    row of integers left at its first nonzero element.
+
+    Args:
+        x: [N, W] the rows' values (one observation key, flattened).
+        rows: int64[R] the rows to read.
+        floating: ``x`` holds floating-point values (NaN possible).
+        zero: bool[R], updated in place: cleared where the row holds a
+            nonzero element (a row is zero-filled only if every key's is 0).
+        nan: bool[R], updated in place: set where the row holds a NaN.
+    """
+    for j in range(rows.shape[0]):
+        row = x[rows[j]]
+        for v in row:
+            if floating and v != v:
+                nan[j] = True
+                zero[j] = False
+                break
+            if v != 0:
+                zero[j] = False
+                if not floating:
+                    break
 
 
 class Selection(NamedTuple):
@@ -509,9 +572,9 @@ def select_rows(code, next_src, drop_lost):
 
 
 @njit(cache=True, nogil=True)
-def plan_rows(n, steps, stream, done, joint, group, final_ok, final_default, reward, restart,
-              terminated, truncated, marks, cont, carry, reset_rows, successor, final, stitch,
-              hold_done, drop_lost):  # fmt: skip
+def plan_rows(n, steps, stream, done, stored, joint, group, final_ok, final_default, reward,
+              restart, terminated, truncated, marks, cont, carry, reset_rows, successor, final,
+              stitch, hold_done, drop_lost):  # fmt: skip
     """:func:`plan`, then :func:`select_rows`, in one call from Python.
 
     The arguments are those of the two (``drop_lost`` is that of
@@ -525,7 +588,7 @@ def plan_rows(n, steps, stream, done, joint, group, final_ok, final_default, rew
         selection is empty.
     """
     code, next_src, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row = plan(
-        n, steps, stream, done, joint, group, final_ok, final_default, reward, restart,
+        n, steps, stream, done, stored, joint, group, final_ok, final_default, reward, restart,
         terminated, truncated, marks, cont, carry, reset_rows, successor, final, stitch, hold_done,
     )  # fmt: skip
     if bad_row >= 0:

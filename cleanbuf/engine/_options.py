@@ -138,6 +138,19 @@ class Options:
                 DeprecationWarning,
                 stacklevel=3,
             )
+        if (
+            kwargs.get("terminal_obs_in_done_row") is not None
+            and not kwargs["terminal_obs_in_done_row"]
+        ):
+            kwargs["terminal_obs_in_done_row"] = None
+            warnings.warn(
+                "terminal_obs_in_done_row=False is no longer an option: whether a done row "
+                "holds its terminal observation is read from the data, row by row (a next "
+                "observation that is neither zero-filled nor NaN is stored and kept). "
+                "Remove the argument; it is ignored.",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         names = {f.name for f in dataclasses.fields(cls)} - {"mode"}
         unknown = sorted(set(kwargs) - names)
         if unknown:

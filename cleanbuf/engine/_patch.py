@@ -99,7 +99,8 @@ def write_next_obs(
         obs_keys: the observation keys.
         sel: the call's :class:`cleanbuf.engine._kernels.Selection`.
         released_src: per released held row, the row of this call that holds
-            its next observation, or ``RELEASED_LOST`` / ``RELEASED_AS_IS``.
+            its next observation, or ``RELEASED_LOST`` / ``RELEASED_AS_IS`` /
+            ``RELEASED_STORED`` (the last two: left as stored).
         final_of: observation key -> final-observation leaf key (same-step).
         policy: the lost-observation policy ("nan", "keep", "drop").
         obs_only: the data has no ``("next", k)``: create the leaf (every

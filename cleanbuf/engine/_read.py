@@ -19,8 +19,23 @@ from cleanbuf.engine import _checks
 from cleanbuf.engine._carry import Carry
 from cleanbuf.engine._continuity import CallEnds, check, read_ends
 from cleanbuf.engine._errors import InputError, key_name
-from cleanbuf.engine._flags import NONE, joint_rows, restart_rows, reward_rows, row_flags_or_none
-from cleanbuf.engine._kernels import NEED_INIT, PENDING, SHIFT, WAITING
+from cleanbuf.engine._flags import (
+    NONE,
+    joint_rows,
+    restart_rows,
+    reward_rows,
+    row_flags_or_none,
+    stored_rows,
+)
+from cleanbuf.engine._kernels import (
+    ANY_MARKS,
+    NEED_INIT,
+    NO_MARKS,
+    PENDING,
+    SHIFT,
+    UNSTORED_MARKS,
+    WAITING,
+)
 from cleanbuf.engine._keys import (
     TRAJ_IDS,
     batch_leaves,
@@ -61,11 +76,16 @@ class Call:
     def kernel_flags(self, options: Options) -> dict:
         """The per-row flags and switches of the planning kernel for this call."""
         views, layout = self.views, self.layout
-        marks = self.rules.marks and (len(self.restart) > 0 or self.ends is not None)
+        marks = NO_MARKS
+        if self.rules.marks and (len(self.restart) > 0 or self.ends is not None):
+            # A collector writes trajectory ids; rows without them (raw loops)
+            # are never marked, so their stored batch-end truncations are ends.
+            marks = ANY_MARKS if TRAJ_IDS in views.tensors else UNSTORED_MARKS
         group = 0
         if options.joint_reset and options.joint_key is None:
             group = options.reset_group_size or layout.n_streams
         return dict(
+            stored=self.stored(options),
             joint=joint_rows(options, views, self.done),
             group=group,
             final_ok=NONE if self.final_present is None else self.final_present,
@@ -77,6 +97,18 @@ class Call:
             marks=marks,
             cont=self.ends.cont if self.ends is not None else np.zeros(0, np.uint8),
         )
+
+    def stored(self, options: Options) -> np.ndarray:
+        """Per done row, whether its next observation is stored (next-step full rows).
+
+        Read from the data (:func:`~cleanbuf.engine._flags.stored_rows`);
+        every done row where ``terminal_obs_in_done_row=True`` says so.
+        """
+        if not self.rules.reset_rows or self.obs_only:
+            return NONE
+        if options.terminal_obs_in_done_row:
+            return self.done
+        return stored_rows(self.views, self.obs_keys, self.done)
 
 
 class Reader:

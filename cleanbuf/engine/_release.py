@@ -23,8 +23,10 @@ class Release:
         streams: their streams.
         slots: their slots in the carry's held rows.
         src: per row, the call's row holding its next observation, or
-            ``RELEASED_LOST`` (lost: a restart cut it off) or
-            ``RELEASED_AS_IS`` (complete as stored: its end was only a mark).
+            ``RELEASED_LOST`` (lost: a restart cut it off),
+            ``RELEASED_AS_IS`` (complete as stored: its end was only a mark)
+            or ``RELEASED_STORED`` (complete as stored: a real end whose
+            terminal observation it holds).
         lost_done: per lost row (dropped ones included), whether it is a
             done row.
         n_dropped: lost rows left out (the "drop" policy).

@@ -37,8 +37,9 @@ from cleanbuf.engine._checks import lost_policy
 from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._compat import new_tensordict
 from cleanbuf.engine._errors import LayoutError
+from cleanbuf.engine._flags import stored_rows
 from cleanbuf.engine._kernels import RELEASED_AS_IS, RELEASED_LOST
-from cleanbuf.engine._keys import DONE_KEYS, observation_keys
+from cleanbuf.engine._keys import DONE_KEYS, done_flags, observation_keys
 from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._patch import fill_rows, fix_bookkeeping, set_rows
@@ -312,19 +313,25 @@ class Rollouts:
         """Returns the held column ``[*E, 1]`` (None when nothing is held).
 
         Its done rows still waiting for their reset row lose their terminal
-        observation (the lost-observation policy applies, counted).
+        observation (the lost-observation policy applies, counted), unless
+        their next observation is stored (a batch-end mark still undecided:
+        returned as it is).
         """
         if self._held is None:
             return None
-        streams = self.cleaner._carry.held_stream  # the held column's waiting rows
+        carry = self.cleaner._carry
+        streams = carry.held_stream  # the held column's waiting rows
         if len(streams):
             held, opts = self._held, self.options
             bookkeeping = {k for k in (opts.is_init_key, opts.step_count_key) if k}
             keys = observation_keys(held.tensors, opts.observation_keys, bookkeeping)[0]
-            policy = lost_policy(opts, keys, held.tensors, len(streams), False)
+            waiting = Views(carry.held, 1, len(streams))
+            stored = stored_rows(waiting, keys, done_flags(waiting, opts.done_key))
+            lost = streams[~stored] if len(stored) else streams
+            policy = lost_policy(opts, keys, held.tensors, len(lost), False)
             self.cleaner.flush()  # forgets its held rows (ours are the ones returned)
-            self._lost(held, streams, keys, policy)
-            self._stats["terminal_obs_missing"] += len(streams)
+            self._lost(held, lost, keys, policy)
+            self._stats["terminal_obs_missing"] += len(lost)
         held, self._held = self._held, None
         self._count_out(held.kind)
         self._stats["rows_held"] = 0

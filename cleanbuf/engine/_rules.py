@@ -18,18 +18,24 @@ class Rules(NamedTuple):
         final: same-step data: a done row's next observation is its
             final-observation entry.
         stitch: next observations are written (False for compact output).
-        hold_done: a next-step done row waits for its reset row (False when
-            the done row already holds its terminal observation).
+        hold_done: a next-step done row whose next observation is not
+            stored (zero- or NaN-filled, read per row from the data) waits
+            for its reset row. False only where the user declares every done
+            row complete (``terminal_obs_in_done_row=True``).
         drop_lost: rows whose next observation is lost are not stored.
         marks: a done, truncated, not terminated row on a call's last step
             may be only a collector's batch-end mark (next-step time-last
-            batches whose done rows lack their terminal observation, as
-            TorchRL collectors write them): the next row decides.
+            batches, as TorchRL collectors write them): the next row
+            decides. Where the rows carry no collector trajectory ids (raw
+            loops, which never mark), only a row whose next observation is
+            not stored can be one (see the planning kernel's ``marks``).
 
     Examples:
         >>> Rules.of(Options(mode="next_step"), False, "time_last")
         Rules(reset_rows=True, successor=False, final=False, stitch=True, hold_done=True, drop_lost=False, marks=True)
-        >>> Rules.of(Options(mode="next_step"), False, "step").hold_done  # raw loops keep it
+        >>> Rules.of(Options(mode="next_step"), False, "step").marks  # no marks in one step
+        False
+        >>> Rules.of(Options(terminal_obs_in_done_row=True), False, "time_last").hold_done
         False
     """  # noqa: E501
 
@@ -52,22 +58,9 @@ class Rules(NamedTuple):
             successor=obs_only and stitch,
             final=same_step and stitch,
             stitch=stitch,
-            hold_done=stitch and (obs_only or not terminal_obs_in_done_row(options, layout_kind)),
+            hold_done=stitch and (obs_only or not options.terminal_obs_in_done_row),
             drop_lost=options.on_lost_terminal_obs == "drop",
             marks=not same_step
             and layout_kind == "time_last"
-            and not terminal_obs_in_done_row(options, layout_kind),
+            and not options.terminal_obs_in_done_row,
         )
-
-
-def terminal_obs_in_done_row(options: Options, layout_kind: str | None) -> bool:
-    """Whether a done row already holds its terminal observation.
-
-    As configured (``terminal_obs_in_done_row``), else True except for
-    time-last (TorchRL collector) batches and rows with ``joint_key``
-    (TorchRL's joint reset), whose done rows TorchRL zero-fills; raw
-    Gymnasium and EnvPool loops keep it.
-    """
-    if options.terminal_obs_in_done_row is not None:
-        return options.terminal_obs_in_done_row
-    return layout_kind != "time_last" and options.joint_key is None

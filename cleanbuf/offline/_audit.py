@@ -142,10 +142,6 @@ class Report:
         opts: dict[str, Any] = {"mode": self.mode}
         if self.joint_reset:
             opts["joint_reset"] = True
-        if self.mode == "next_step":
-            # TorchRL zero-fills the done row; the reset row holds the
-            # terminal state in next-step data of any producer.
-            opts["terminal_obs_in_done_row"] = False
         return opts
 
     def command(self, dst: str = "CLEANED") -> str:

@@ -36,8 +36,10 @@ class AutoresetFilter(Transform):
     through. A done row whose reset row is not in the same call is held and
     emitted by the call that brings it (or by :meth:`flush`); where the done
     row already holds its terminal observation (raw Gymnasium and EnvPool
-    loops, ``terminal_obs_in_done_row``), it is emitted at once and only its
-    reset row is dropped when it comes. The output is
+    loops: read from the data, row by row, a next observation that is
+    neither zero-filled nor NaN), it is emitted at once, never replaced or
+    counted lost, and only its reset row is dropped when it comes. The
+    output is
     flat rows ``[M]``: a 1-D storage stores rows. A call that drops, holds
     and fixes nothing returns views of the batch (what a plain extend would
     store); otherwise the rows are copies. The output declares the device
@@ -95,8 +97,12 @@ class AutoresetFilter(Transform):
     says which. It is held, and its stream's next row decides: a restart
     (``is_init``, else a first row whose observation differs from the held
     row's next observation) means a real end, any other row a mark, stored
-    as it was. One still undecided at :meth:`flush` is a real end (its
-    terminal observation lost) unless the stream's marks showed before.
+    as it was. One still undecided at :meth:`flush` is stored as it is when
+    its next observation is stored (not zero-filled: a mark's is real); a
+    zero-filled one is a real end (its terminal observation lost). Rows
+    without the collector's ``("collector", "traj_ids")`` come from no
+    collector and carry no marks: there a stored batch-end truncation (a
+    raw loop stacked ``[E, T]``) is a real end.
 
     **Many processes.** Given to a multi-process TorchRL collector
     (``replay_buffer=rb``), the buffer and this filter are pickled into each
@@ -147,11 +153,12 @@ class AutoresetFilter(Transform):
         on_lost_terminal_obs: "nan", "drop", "raise" or "keep". None (the
             default) is, in next-step mode, "nan" for floating observations
             and an error for integer ones; in same-step mode an error.
-        terminal_obs_in_done_row: whether the producer stores the terminal
-            observation in the done row itself (raw Gymnasium and EnvPool
-            loops do; TorchRL zero-fills it). If so, done rows are emitted at
-            once instead of waiting for their reset row. None: True except
-            for the time-last (collector) layout and with ``joint_key``.
+        terminal_obs_in_done_row: rarely needed: whether a done row holds
+            its terminal observation is read from the data, row by row
+            (zero-filled or NaN: not held). True declares every done row
+            complete, zeros included, for the one case the data cannot
+            tell: a terminal observation that is truly 0 in every element
+            with no reset row after it. False is deprecated (ignored).
         check_reset_rows: check that each reset row has reward 0 and is not
             done.
         observation_keys: list of observation keys; None discovers every key
