@@ -15,6 +15,9 @@ from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._errors import InputError
 from cleanbuf.engine._keys import DONE_KEYS
 from cleanbuf.engine._options import Options
+from cleanbuf.offline._axes import time_axis
+from cleanbuf.offline._formats import Shape
+from cleanbuf.offline._names import obs_pair, roles
 
 
 def _parts(key: Any) -> tuple:
@@ -164,6 +167,9 @@ def clean(
         if dst is not None:
             return stored.stats
         return (stored.rows, stored.stats) if return_stats else stored.rows
+    if _as_stored_arrays(data, options):
+        out, stats = _clean_arrays(data, options)
+        return (out, stats) if return_stats else out
     as_dict = isinstance(data, Mapping) and not isinstance(data, TensorDictBase)
     if as_dict:
         td, as_numpy = _to_td(data, batch_dims)
@@ -176,6 +182,71 @@ def clean(
         out = torch.cat([out, rest])
     out = _to_dict(out, as_numpy, _slash_named(data)) if as_dict else out
     return (out, cleaner.stats) if return_stats else out
+
+
+def _as_stored_arrays(data: Any, options: dict) -> bool:
+    """Whether in-memory data goes the way stored arrays go (names and layout read).
+
+    A Stable-Baselines3 buffer, and a dict or TensorDict whose names are
+    not TorchRL's, whose layout is said (``"time_first"``, ``"flat"``,
+    ``envs=``, ``keys=``), or whose ``[A, B]`` arrays chain along their
+    first axis (``[T, E]``). TorchRL-named ``[*E, T]`` batches, and the
+    engine's own layouts (``"time_last"``, ``"step"``, ``stream_key=``),
+    go to the cleaner as they are.
+    """
+    from cleanbuf.offline._sources import _numpy, is_sb3_buffer
+
+    if is_sb3_buffer(data):
+        return True
+    if not isinstance(data, (Mapping, TensorDictBase)) or options.get("stream_key") is not None:
+        return False
+    layout = options.get("layout")
+    if layout in ("time_first", "flat") or options.get("envs") or options.get("keys"):
+        return True
+    if layout is not None:
+        return False
+    arrays = _numpy(data)[0]
+    if roles(list(arrays))[0] != "torchrl":
+        return True
+    pair, done = obs_pair(arrays), arrays.get("next/done")
+    if pair is None or done is None or done.ndim < 2 or (done.ndim == 2 and done.shape[1] == 1):
+        return False
+    done = done.reshape(done.shape[:2])
+    return time_axis(arrays[pair[0]], arrays[pair[1]], done.astype(bool))[0] == 0
+
+
+def _clean_arrays(data: Any, options: dict) -> tuple[Any, dict]:
+    """Cleans a dict, a TensorDict or an SB3 buffer as stored arrays are cleaned.
+
+    The result keeps the source's names, flat rows, with each row's env
+    under ``"_cleanbuf/env"`` (a ``[T, E]`` rectangle loses its shape when
+    rows are dropped).
+    """
+    from cleanbuf.offline._clean_files import clean_dataset
+    from cleanbuf.offline._sources import dataset
+
+    shape = Shape(*(options.pop(k, None) for k in ("layout", "envs", "keys")))
+    ds = dataset(data, shape, "")[0]
+    done = clean_dataset(ds, None, **options)
+    rows, env = done.rows, torch.as_tensor(done.env)
+    if isinstance(data, TensorDictBase):
+        rows.set(("_cleanbuf", "env"), env)
+        return rows, done.stats
+    nested = isinstance(data, Mapping) and any(isinstance(v, Mapping) for v in data.values())
+    as_numpy = not (isinstance(data, Mapping) and _has_tensors(data))
+    out = _to_dict(rows, as_numpy, slash_named=not nested)
+    if nested:
+        out.setdefault("_cleanbuf", {})["env"] = env.numpy() if as_numpy else env
+    else:
+        out["_cleanbuf/env"] = env.numpy() if as_numpy else env
+    return out, done.stats
+
+
+def _has_tensors(data: Mapping) -> bool:
+    return any(
+        _has_tensors(v) if isinstance(v, Mapping) else isinstance(v, torch.Tensor)
+        for v in data.values()
+    )
 
 
 def _stored(data: Any, dst: str | None, options: dict) -> Any:
