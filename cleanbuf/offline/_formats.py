@@ -266,6 +266,12 @@ def _arrays(path: str, fmt: str, arrays: dict, shape: Shape | None = None) -> Da
     env = arrays.pop(ENV_ARRAY, None)  # cleanbuf clean's env index: not data
     if not arrays:
         raise InputError(f"{path} holds no arrays but {ENV_ARRAY}.")
+    n = {name: a.shape[0] if a.ndim else 0 for name, a in arrays.items()}
+    if len(set(n.values())) != 1:
+        raise InputError(
+            f"{path}: the arrays have different numbers of rows {n}; every array must hold "
+            "one entry per transition."
+        )
     which, renamed = roles(list(arrays), shape.keys)
     arrays = {renamed.get(name, name): a for name, a in arrays.items()}
     need(set(arrays), path)
