@@ -384,7 +384,7 @@ def _ends(rows: Rows, reward: np.ndarray, positions: np.ndarray, details: list, 
 
 
 def _flat(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x).reshape(len(x), -1)
+    return np.ascontiguousarray(x).reshape(len(x), int(np.prod(x.shape[1:])))
 
 
 def audit(

@@ -190,9 +190,10 @@ def _as_stored_arrays(data: Any, options: dict) -> bool:
     A Stable-Baselines3 buffer, and a dict or TensorDict whose names are
     not TorchRL's, whose layout is said (``"time_first"``, ``"flat"``,
     ``envs=``, ``keys=``), or whose ``[A, B]`` arrays chain along their
-    first axis (``[T, E]``). TorchRL-named ``[*E, T]`` batches, and the
-    engine's own layouts (``"time_last"``, ``"step"``, ``stream_key=``),
-    go to the cleaner as they are.
+    first axis (``[T, E]``), and a dict of flat rows (``[N]``: the envs
+    are recovered as the audit does). TorchRL-named ``[*E, T]`` batches,
+    TensorDicts of rows, and the engine's own layouts (``"time_last"``,
+    ``"step"``, ``stream_key=``) go to the cleaner as they are.
     """
     from cleanbuf.offline._sources import _numpy, is_sb3_buffer
 
@@ -209,8 +210,11 @@ def _as_stored_arrays(data: Any, options: dict) -> bool:
     if roles(list(arrays))[0] != "torchrl":
         return True
     pair, done = obs_pair(arrays), arrays.get("next/done")
-    if pair is None or done is None or done.ndim < 2 or (done.ndim == 2 and done.shape[1] == 1):
+    if pair is None or done is None:
         return False
+    if done.ndim < 2 or (done.ndim == 2 and done.shape[1] == 1):
+        # flat rows of a dict: which env each came from, as the audit recovers it
+        return not isinstance(data, TensorDictBase) and "next/reward" in arrays
     done = done.reshape(done.shape[:2])
     return time_axis(arrays[pair[0]], arrays[pair[1]], done.astype(bool))[0] == 0
 
