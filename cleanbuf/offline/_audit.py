@@ -179,20 +179,34 @@ class Report:
             opts["terminal_obs_in_done_row"] = stored and not self.joint_reset
         return opts
 
-    def command(self, dst: str = "CLEANED") -> str:
-        """The ``cleanbuf clean`` command that fixes the data.
+    def _lost_policy(self) -> str | None:
+        """``"nan"`` where same-step done rows hold no terminal observation.
 
-        For a buffer in memory, the Python call that returns its cleaned
-        rows (``rb`` stands for the buffer audited).
+        Without it the clean raises (the cleaner's default for same-step
+        data), so the fix printed would not run; the report says how many
+        are lost, and the NaN marks them in the cleaned copy.
+        """
+        return "nan" if self.mode == "same_step" and self.next_obs_is_reset else None
+
+    def command(self, dst: str | None = None) -> str:
+        """The ``cleanbuf clean`` command that fixes the data, runnable as printed.
+
+        ``dst`` defaults to a sibling of the source in its format
+        (``data.npz`` -> ``data.clean.npz``, ``runs/rb`` ->
+        ``runs/rb.clean``). For data in memory, the Python call that
+        returns its cleaned rows (``rb`` stands for a buffer audited,
+        ``data`` for a dict or TensorDict).
         """
         joint = "yes" if self.joint_reset else "no"
+        lost = self._lost_policy()
         if self.in_memory or self.python is not None:
             name = self.python or "rb"
-            py_joint = f", joint_reset={self.joint_reset}"
-            return (
-                f'rows = cleanbuf.clean({name}, mode="{self.mode}"{py_joint}{self.shape.kwargs()})'
-            )
+            extra = f", joint_reset={self.joint_reset}" + self.shape.kwargs()
+            extra += f', on_lost_terminal_obs="{lost}"' if lost else ""
+            return f'rows = cleanbuf.clean({name}, mode="{self.mode}"{extra})'
         flags = f" --mode {self.mode} --joint-reset {joint}" + self.shape.flags()
+        flags += f" --on-lost-terminal-obs {lost}" if lost else ""
+        dst = shlex.quote(dst or clean_name(self.source))
         return f"cleanbuf clean {shlex.quote(self.source)} {dst}{flags}"
 
     def to_dict(self) -> dict:
@@ -310,6 +324,20 @@ class Report:
         fig = figure(self)
         fig.savefig(path, dpi=90)
         plt.close(fig)
+
+
+def clean_name(source: str) -> str:
+    """Where the fix writes by default: a sibling of ``source``, same format.
+
+    Examples:
+        >>> clean_name("runs/data.npz"), clean_name("d4rl.hdf5"), clean_name("runs/rb/")
+        ('runs/data.clean.npz', 'd4rl.clean.hdf5', 'runs/rb.clean')
+    """
+    source = source.rstrip("/")
+    root, ext = os.path.splitext(source)
+    if ext in (".npz", ".h5", ".hdf5"):
+        return f"{root}.clean{ext}"
+    return f"{source}.clean"
 
 
 def stream_positions(streams: Streams, n: int) -> list[np.ndarray]:
