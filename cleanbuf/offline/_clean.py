@@ -190,9 +190,9 @@ def _as_stored_arrays(data: Any, options: dict) -> bool:
     A Stable-Baselines3 buffer, and a dict or TensorDict whose names are
     not TorchRL's, whose layout is said (``"time_first"``, ``"flat"``,
     ``envs=``, ``keys=``), or whose ``[A, B]`` arrays chain along their
-    first axis (``[T, E]``), and a dict of flat rows (``[N]``: the envs
-    are recovered as the audit does). TorchRL-named ``[*E, T]`` batches,
-    TensorDicts of rows, and the engine's own layouts (``"time_last"``,
+    first axis (``[T, E]``), and any dict with a reward (its layout and
+    envs read as the audit reads them). TensorDicts (collector batches
+    ``[*E, T]``, rows) and the engine's own layouts (``"time_last"``,
     ``"step"``, ``stream_key=``) go to the cleaner as they are.
     """
     from cleanbuf.offline._sources import _numpy, is_sb3_buffer
@@ -212,9 +212,10 @@ def _as_stored_arrays(data: Any, options: dict) -> bool:
     pair, done = obs_pair(arrays), arrays.get("next/done")
     if pair is None or done is None:
         return False
+    if not isinstance(data, TensorDictBase):  # a dict: stored arrays, read as the audit reads
+        return "next/reward" in arrays
     if done.ndim < 2 or (done.ndim == 2 and done.shape[1] == 1):
-        # flat rows of a dict: which env each came from, as the audit recovers it
-        return not isinstance(data, TensorDictBase) and "next/reward" in arrays
+        return False
     done = done.reshape(done.shape[:2])
     return time_axis(arrays[pair[0]], arrays[pair[1]], done.astype(bool))[0] == 0
 
