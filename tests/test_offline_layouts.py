@@ -39,7 +39,7 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 import cleanbuf
 from cleanbuf.offline import audit, read
-from cleanbuf.offline._formats import from_arrays
+from cleanbuf.offline._formats import Shape, from_arrays
 from cleanbuf.offline.cli import main
 from tests.loops import ENVS, run_loop
 from tests.oracle import collect, make_env
@@ -327,3 +327,139 @@ def _print_matrix():
     print("\nfmt    layout      names       producer        mode       verdict NaN re-audit")
     for r in RESULTS:
         print(f"{r[0]:6s} {r[1]:11s} {r[2]:11s} {r[3]:15s} {r[4]:10s} {r[5]:7s} {r[6]!s:3s} {r[7]}")
+
+
+def _pendulum(mode, steps) -> dict:
+    """2 Pendulum envs, 6-step limit: both envs end together every 6 steps."""
+    name, kwargs, policy = ENVS["Pendulum-truncates"]
+    venv, rows = run_loop(name, kwargs, policy, 2, steps, mode)
+    venv.close()
+    return _stack(rows)
+
+
+def test_trailing_done_rows_are_no_joint_reset(tmp_path):
+    """Both envs end together twice, the second time on the last step (no
+    row after it). Bugs caught: done rows at the end of collection taken
+    as evidence of joint resets (the clean then keeps reset rows as
+    transitions and turns stored terminal observations into NaN), and a
+    --joint-reset flag that can only be switched on.
+    """
+    modes = gym.vector.AutoresetMode
+    data, oracle = _pendulum(modes.NEXT_STEP, 13), _pendulum(modes.DISABLED, 13)
+    path = str(tmp_path / "src.npz")
+    np.savez(path, **data)
+    report = audit(path)
+    assert (report.mode, report.joint_reset, report.joint_steps) == ("next_step", False, 0)
+    assert report.trailing == 2 and report.reset_rows == 2 and report.status == 1
+    assert "--joint-reset no" in report.command()
+    out = _run_fix(report, path, tmp_path)
+    rows, env = _rows_of(out)
+    assert _compare_pendulum(rows, env, oracle) == 0  # nothing stored made NaN
+    assert audit(out).clean
+    # the flag is honoured both ways: forced joint resets keep the reset rows
+    # as transitions, which the re-audit of that output shows
+    forced, off = str(tmp_path / "joint.npz"), str(tmp_path / "nojoint.npz")
+    assert main(["clean", path, forced, "--joint-reset", "yes", "--no-progress"]) == 0
+    assert main(["clean", path, off, "--joint-reset", "no", "--no-progress"]) == 0
+    assert audit(forced).status == 1 and audit(off).status == 0
+
+
+def _compare_pendulum(rows, env, oracle) -> int:
+    nan = 0
+    for e in range(2):
+        got = {k: v[env == e] for k, v in rows.items()}
+        n = len(got["observation"])
+        assert n == 12  # 13 steps less one reset row; the trailing done row kept
+        for k in ["observation", "next/observation", "next/reward", "next/truncated"]:
+            x, y = got[k].reshape(n, -1), oracle[k][:n, e].reshape(n, -1)
+            nan += int(np.isnan(x).any(1).sum()) if x.dtype.kind == "f" else 0
+            assert np.array_equal(x, y), f"env {e}: {k}"
+    return nan
+
+
+def test_too_little_evidence_is_said(runs, tmp_path, capsys):
+    """One step of 4 envs ([1, E]: no env has two rows to compare), and
+    flat rows env after env (no run continues another, so the envs are not
+    in the data). Bugs caught: "clean" (exit 0) on data the audit could
+    not check, a fix printed that fails, and --layout flat --envs N not
+    reading the rows as N envs.
+    """
+    data, oracle = runs["gym-next-step"]
+    one = str(tmp_path / "one.npz")
+    np.savez(one, **{k: a[:1] for k, a in data.items()})
+    report = audit(one)
+    assert report.undecided and not report.clean and report.status == 3
+    assert main(["audit", one]) == 3
+    assert "cannot tell" in capsys.readouterr().out
+    flat = str(tmp_path / "flat.npz")
+    env_after_env = {k: np.swapaxes(a, 0, 1).reshape(T * E, *a.shape[2:]) for k, a in data.items()}
+    np.savez(flat, **env_after_env)
+    assert audit(flat).status == 3 and main(["audit", flat]) == 3
+    told = audit(flat, layout="flat", envs=E)
+    assert told.status == 1 and "--layout flat --envs 4" in told.command()
+    assert main(["audit", flat, "--layout", "flat", "--envs", str(E)]) == 1
+    out = _run_fix(told, flat, tmp_path)
+    rows, env = _rows_of(out)
+    _compare(rows, env, oracle, lost_ok=False)
+    assert audit(out).clean
+
+
+def test_missing_role_is_reported_and_key_names_it(runs, tmp_path, capsys):
+    """CleanRL names, the reward saved as 'rew'. Bugs caught: the
+    reset-row check silently skipped without a reward, an error that does
+    not say which role is missing or how to name it, --key not read.
+    """
+    data, oracle = runs["torchrl-gymenv"]
+    arrays = _name(data, "cleanrl")
+    arrays["rew"] = arrays.pop("rewards")
+    path = str(tmp_path / "src.npz")
+    np.savez(path, **arrays)
+    with pytest.raises(cleanbuf.InputError, match=r"reward.*--key reward=NAME"):
+        audit(path)
+    assert main(["audit", path]) == 2
+    assert "--key reward=NAME" in capsys.readouterr().err
+    report = audit(path, keys={"reward": "rew"})
+    assert report.status == 1 and "--key reward=rew" in report.command()
+    out = _run_fix(report, path, tmp_path)
+    assert "rew" in np.load(out).files  # the source's name kept
+    rows, env = _rows_of_keyed(out)
+    _compare(rows, env, oracle, lost_ok=False)
+
+
+def _rows_of_keyed(out):
+    ds = read(out, Shape(keys={"reward": "rew"}))
+    leaves = ds.data.items(True, True)
+    return {"/".join(k) if isinstance(k, tuple) else k: v.numpy() for k, v in leaves}, ds.env
+
+
+def test_sb3_buffer_that_wrapped(runs):
+    """A Stable-Baselines3 buffer of 40 steps filled with 64: its oldest
+    slot is at pos. Bugs caught: the rows read from slot 0 (a broken chain
+    at the cursor, a wrong verdict or wrong rows), the wrap ignored.
+    """
+    data, _ = runs["gym-next-step"]
+    rb = _sb3(data, size=40)
+    assert rb.full and rb.pos == T - 40
+    tail = {k: a[T - 40 :] for k, a in data.items()}
+    want = cleanbuf.clean(_name(tail, "torchrl"), layout="time_first", mode="next_step")
+    report = audit(rb)
+    assert report.status == 1 and report.rows == 40 * E and report.layout == "time_first"
+    got = _run_fix(report, rb, None)
+    assert len(got["observations"]) == len(want["observation"])
+    for e in range(E):
+        a = got["observations"][got["_cleanbuf/env"] == e]
+        b = want["observation"][want["_cleanbuf/env"] == e]
+        assert np.array_equal(a, b)
+    assert audit(got).clean
+
+
+def test_time_first_is_a_layout_word_of_clean(runs):
+    """Bugs caught: clean(dict, layout="time_first") refused (RolloutRepair
+    takes the word), and a [T, E] dict read with the env axis as time.
+    """
+    data, oracle = runs["torchrl-gymenv"]
+    told = cleanbuf.clean(dict(data), layout="time_first")
+    found = cleanbuf.clean(dict(data))
+    for k in told:
+        assert np.array_equal(told[k], found[k], equal_nan=told[k].dtype.kind == "f"), k
+    _compare({k: v for k, v in told.items()}, told["_cleanbuf/env"], oracle, lost_ok=False)

@@ -585,10 +585,11 @@ def _joint_steps(done, reward, streams: Streams, per_env: list) -> int:
     if streams.envs < 1:
         return 0
     joint, _ = joint_rows(done, reward == 0, streams, per_env)
-    has_next = np.zeros(len(done), np.bool_)
+    restarted = np.zeros(len(done), np.bool_)  # a row after it, and not a reset row
     for pos in per_env:
-        has_next[pos[:-1]] = True
-    return int((joint & has_next).sum())
+        after = pos[1:]
+        restarted[pos[:-1]] = (reward[after] != 0) | done[after]
+    return int((joint & restarted).sum())
 
 
 def _rows(ds: Dataset, key: tuple, done: np.ndarray) -> Rows:
