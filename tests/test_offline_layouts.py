@@ -108,7 +108,7 @@ def _torchrl(disabled: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    """producer -> (auto-reset run [T, E], explicit-reset run [T, E]), each run once."""
+    """Each producer's auto-reset and explicit-reset runs, [T, E] arrays, run once."""
     modes = gym.vector.AutoresetMode
     oracle = _loop(modes.DISABLED)
     out = {
