@@ -131,14 +131,23 @@ def clean(
             ``ReplayBuffer`` or storage filled without the filter (by a
             collector or ``rb.extend``), or a path (an ``rb.dumps``
             directory, a TensorDict memmap directory, a ``.npz`` or HDF5
-            file).
+            file), or a Stable-Baselines3 ``ReplayBuffer``. A dict with a
+            reward is read as stored arrays are: its layout (``[N]``,
+            ``[T, E]``, ``[E, T]``) and names (CleanRL's, offline-RL's)
+            from the data, unless ``batch_dims`` or an engine layout
+            (``"time_last"``, ``"step"``, ``stream_key=``) is given.
         batch_dims: for dicts, the number of batch dimensions; None infers it
             from the done array (a trailing dimension of size 1 is a feature
             dimension).
         dst: for a path, where to write the cleaned dataset (same format);
             None returns the rows instead.
         return_stats: also return the counters (``filt.stats``).
-        **options: the options of :class:`cleanbuf.AutoresetFilter`, ``mode``
+        **options: ``layout`` (``"time_first"``, ``"time_last"``,
+            ``"flat"``), ``envs`` and ``keys`` as :func:`cleanbuf.audit`
+            takes them (a dict, an SB3 buffer or a path then comes back
+            as flat rows under the source's names, with each row's env in
+            ``"_cleanbuf/env"``), and the options of
+            :class:`cleanbuf.AutoresetFilter`, ``mode``
             included (default "next_step"; for stored data, what the audit
             found).
 
@@ -167,7 +176,7 @@ def clean(
         if dst is not None:
             return stored.stats
         return (stored.rows, stored.stats) if return_stats else stored.rows
-    if _as_stored_arrays(data, options):
+    if batch_dims is None and _as_stored_arrays(data, options):
         out, stats = _clean_arrays(data, options)
         return (out, stats) if return_stats else out
     as_dict = isinstance(data, Mapping) and not isinstance(data, TensorDictBase)

@@ -117,7 +117,10 @@ def clean_dataset(
             prints it on stderr): when a dump's cleaned rows will not fit a
             buffer built as SRC's, the storage to build to load DST.
         **options: :class:`cleanbuf.AutoresetFilter` options; by default those
-            the audit found (``report.options()``).
+            the audit found (``report.options()``); ``joint_reset`` also
+            takes ``"yes"``, ``"no"`` and ``"auto"`` (the audit's).
+            ``layout``, ``envs`` and ``keys`` say how SRC's arrays are laid
+            out and named (as :func:`cleanbuf.offline.audit` takes them).
 
     Returns:
         The stats, the audit of ``src``, and the rows if ``dst`` is None.

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "audit":
             report = audit(args.path, **shape)
             print(report.to_json() if args.json else report)
-            if args.plot:
+            if args.plot and report.undecided is None:  # nothing checked: nothing to draw
                 report.plot(args.plot)
             return report.status
         options = {k: v for k, v in shape.items() if v}
