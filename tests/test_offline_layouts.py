@@ -39,7 +39,8 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 import cleanbuf
 from cleanbuf.offline import audit, read
-from cleanbuf.offline._formats import Shape, from_arrays
+from cleanbuf.offline._formats import Shape
+from cleanbuf.offline._sources import dataset
 from cleanbuf.offline.cli import main
 from tests.loops import ENVS, run_loop
 from tests.oracle import collect, make_env
@@ -196,7 +197,7 @@ def _sb3(arrays: dict, size: int | None = None):
 
 def _rows_of(out) -> tuple[dict, np.ndarray]:
     """Cleaned output (a path or a dict) as TorchRL-named rows and each row's env."""
-    ds = read(out) if isinstance(out, str) else from_arrays("out", out)
+    ds = read(out) if isinstance(out, str) else dataset(out, Shape(), "")[0]
     env = ds.env
     assert env is not None and len(env) == ds.n_rows, "the output names each row's env"
     leaves = ds.data.items(True, True)

@@ -246,13 +246,13 @@ def _clean_arrays(data: Any, options: dict) -> tuple[Any, dict]:
     if isinstance(data, TensorDictBase):
         rows.set(("_cleanbuf", "env"), env)
         return rows, done.stats
-    nested = isinstance(data, Mapping) and any(isinstance(v, Mapping) for v in data.values())
     as_numpy = not (isinstance(data, Mapping) and _has_tensors(data))
-    out = _to_dict(rows, as_numpy, slash_named=not nested)
-    if nested:
-        out.setdefault("_cleanbuf", {})["env"] = env.numpy() if as_numpy else env
-    else:
+    slash = not isinstance(data, Mapping) or _slash_named(data)  # (an SB3 buffer: its names)
+    out = _to_dict(rows, as_numpy, slash_named=slash)
+    if slash:
         out["_cleanbuf/env"] = env.numpy() if as_numpy else env
+    else:
+        out.setdefault("_cleanbuf", {})["env"] = env.numpy() if as_numpy else env
     return out, done.stats
 
 
