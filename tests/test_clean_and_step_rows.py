@@ -13,7 +13,9 @@ from tests.batches import assert_same_rows, next_step_batch
 def test_clean_returns_the_kind_it_got():
     """clean() on a TensorDict, a dict of numpy arrays and a dict of tensors.
     Bugs caught: held rows not flushed at the end, numpy input returned as
-    tensors, results differing between the three kinds.
+    tensors, results differing between the three kinds. layout="time_last"
+    reads the dicts as the TensorDict is read; without it a dict is read as
+    stored arrays are, its rows step after step with each row's env.
     """
     batch = next_step_batch(2, 24, 3)
     out_td = clean(batch)
@@ -27,7 +29,7 @@ def test_clean_returns_the_kind_it_got():
         for h in head:
             node = node.setdefault(h, {})
         node[last] = v
-    out_np = clean(nested)
+    out_np = clean(nested, layout="time_last")
     assert isinstance(out_np["next"]["observation"], np.ndarray)
     np.testing.assert_array_equal(
         out_np["next"]["observation"], out_td["next", "observation"].numpy()
@@ -38,7 +40,7 @@ def test_clean_returns_the_kind_it_got():
         "observation": batch["observation"],
         ("next", "reward"): batch["next", "reward"],
     }
-    out_t = clean(tuple_keys)
+    out_t = clean(tuple_keys, layout="time_last")
     assert isinstance(out_t["next"]["observation"], torch.Tensor)
     torch.testing.assert_close(
         out_t["next"]["observation"], out_td["next", "observation"], rtol=0, atol=0, equal_nan=True

@@ -199,10 +199,11 @@ def _layout(layout: str | None, stream_key: tuple | None, mode: str) -> str | No
         layout = "stream_key"
     if layout is not None and layout not in LAYOUTS:
         raise CleanbufError(
-            f"layout={layout!r} is not known. Pass None (infer: [*E, T] time-last "
-            "collector batches, or one stream for a 1-D batch named ['time']), "
+            f"layout={layout!r} is not known. Pass None or 'time_last' ([*E, T] "
+            "time-last collector batches, or one stream for a 1-D batch named ['time']), "
             "'step' (each call is one step of E envs, batch [E]), or "
-            "stream_key=KEY (flat rows with a per-row stream id)."
+            "stream_key=KEY (flat rows with a per-row stream id). [T, E] arrays: "
+            "cleanbuf.clean(data, layout='time_first') or RolloutRepair(layout='time_first')."
         )
     if layout == "stream_key" and stream_key is None:
         raise CleanbufError(

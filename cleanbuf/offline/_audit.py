@@ -23,14 +23,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import tempfile
 from typing import Any
 
 import numpy as np
 
 from cleanbuf.engine._errors import InputError
-from cleanbuf.offline._formats import Dataset, from_buffer, read
-from cleanbuf.offline._marker import DONE_KEYS, env_if_fresh
+from cleanbuf.offline._formats import Dataset, Shape, done_of, read
+from cleanbuf.offline._joint import joint_rows
+from cleanbuf.offline._marker import env_if_fresh
+from cleanbuf.offline._sources import dataset
 from cleanbuf.offline._streams import Rows, Streams, recover, same_per_row, stored
 
 IN_MEMORY = "torchrl buffer in memory"  # the format of a buffer audited in memory
@@ -90,6 +93,18 @@ class Report:
             other than 0; None when the rows have no such key.
         in_memory: the source is a TorchRL buffer or storage in memory (the
             fix is then a Python call, not a command).
+        undecided: why the audit cannot tell whether the data is clean
+            (the time axis, the envs, or no two rows of one env to
+            compare); None when it could. ``clean`` is then False and the
+            command line exits 3.
+        layout: the source's leading dims (``"flat"``, ``"time_first"``,
+            ``"time_last"``), with the evidence in ``layout_why``;
+            name_set: the names its arrays use; shape: what the user said
+            (the fix repeats it).
+        joint_steps: done rows of steps where every env ended and the
+            next step restarted every env (the evidence of joint resets).
+        trailing: done rows with no row after them in their env (the end
+            of collection): undecided, they are no evidence of anything.
     """
 
     source: str
@@ -114,6 +129,14 @@ class Report:
     step_count_wrong: int | None = None
     in_memory: bool = False
     env_stored: bool = False
+    undecided: str | None = None
+    layout: str | None = "flat"
+    layout_why: str = ""
+    name_set: str = "torchrl"
+    shape: Shape = dataclasses.field(default_factory=Shape)
+    joint_steps: int = 0
+    trailing: int = 0
+    python: str | None = None
     details: list = dataclasses.field(default_factory=list, repr=False)
 
     @property
@@ -134,8 +157,13 @@ class Report:
 
     @property
     def clean(self) -> bool:
-        """No artifact found."""
-        return self.artifacts == 0
+        """No artifact found, and the audit could tell."""
+        return self.artifacts == 0 and self.undecided is None
+
+    @property
+    def status(self) -> int:
+        """The command line's exit status: 0 clean, 1 artifacts, 3 cannot tell."""
+        return 3 if self.undecided is not None else 0 if self.clean else 1
 
     def options(self) -> dict:
         """The :class:`cleanbuf.AutoresetFilter` options that clean this data."""
@@ -144,38 +172,66 @@ class Report:
             opts["joint_reset"] = True
         return opts
 
-    def command(self, dst: str = "CLEANED") -> str:
-        """The ``cleanbuf clean`` command that fixes the data.
+    def _lost_policy(self) -> str | None:
+        """``"nan"`` where same-step done rows hold no terminal observation.
 
-        For a buffer in memory, the Python call that returns its cleaned
-        rows (``rb`` stands for the buffer audited).
+        Without it the clean raises (the cleaner's default for same-step
+        data), so the fix printed would not run; the report says how many
+        are lost, and the NaN marks them in the cleaned copy.
         """
-        if self.in_memory:
-            joint = ", joint_reset=True" if self.joint_reset else ""
-            return f'rows = cleanbuf.clean(rb, mode="{self.mode}"{joint})'
-        flags = f" --mode {self.mode}" + (" --joint-reset" if self.joint_reset else "")
-        return f"cleanbuf clean {self.source} {dst}{flags}"
+        return "nan" if self.mode == "same_step" and self.next_obs_is_reset else None
+
+    def command(self, dst: str | None = None) -> str:
+        """The ``cleanbuf clean`` command that fixes the data, runnable as printed.
+
+        ``dst`` defaults to a sibling of the source in its format
+        (``data.npz`` -> ``data.clean.npz``, ``runs/rb`` ->
+        ``runs/rb.clean``). For data in memory, the Python call that
+        returns its cleaned rows (``rb`` stands for a buffer audited,
+        ``data`` for a dict or TensorDict).
+        """
+        joint = "yes" if self.joint_reset else "no"
+        lost = self._lost_policy()
+        if self.in_memory or self.python is not None:
+            name = self.python or "rb"
+            extra = f", joint_reset={self.joint_reset}" + self.shape.kwargs()
+            extra += f', on_lost_terminal_obs="{lost}"' if lost else ""
+            return f'rows = cleanbuf.clean({name}, mode="{self.mode}"{extra})'
+        flags = f" --mode {self.mode} --joint-reset {joint}" + self.shape.flags()
+        flags += f" --on-lost-terminal-obs {lost}" if lost else ""
+        dst = shlex.quote(dst or clean_name(self.source))
+        return f"cleanbuf clean {shlex.quote(self.source)} {dst}{flags}"
 
     def to_dict(self) -> dict:
         """The report as plain values (what ``--json`` prints)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         del out["details"]
+        out["shape"] = dataclasses.asdict(self.shape)
         out.update(
-            artifacts=self.artifacts, lost=self.lost, clean=self.clean, command=self.command()
+            artifacts=self.artifacts,
+            lost=self.lost,
+            clean=self.clean,
+            status=self.status,
+            command=None if self.undecided else self.command(),
         )
         return out
 
     def __str__(self) -> str:
+        if self.undecided is not None:
+            return self._cannot_tell()
         lines = [
             f"cleanbuf audit: {self.source} ({self.format})",
             f"  rows              {self.rows}"
             + (f" (wrapped; {self.head} from a partly overwritten write)" if self.wrapped else ""),
             f"  streams           {self.envs} envs (each row's env stored by cleanbuf clean)"
             if self.env_stored
+            else f"  streams           {self.envs} envs (from the layout)"
+            if self.layout != "flat" or self.shape.envs is not None
             else f"  streams           {self.envs} envs, {self.steps} steps per env per write"
             if self.layout_found
             else "  streams           not recovered (rows of several envs in no order found); "
             "read as one stream",
+            f"  layout            {self._layout_line()}",
             f"  producer          {self.mode}"
             + (", joint resets" if self.joint_reset else "")
             + f" ({self.confidence} confidence: {self.why})",
@@ -187,6 +243,11 @@ class Report:
             f"  recoverable       {self.recoverable} terminal observations (from reset rows)",
             f"  lost for good     {self.lost + self.next_obs_is_reset}",
         ]
+        if self.trailing:
+            lines.append(
+                f"  end of collection {self.trailing} done rows with no row after them "
+                "(undecided: no evidence of joint resets)"
+            )
         for name, value in (("is_init", self.is_init_wrong), ("step_count", self.step_count_wrong)):
             if value is not None:
                 lines.append(f"  {name + ' wrong':18s}{value} episode first rows")
@@ -210,6 +271,33 @@ class Report:
                 )
         return "\n".join(lines)
 
+    def _layout_line(self) -> str:
+        names = "" if self.name_set == "torchrl" else f", {self.name_set} names"
+        why = f": {self.layout_why}" if self.layout_why else ""
+        return f"{self.layout or 'unknown'}{names}{why}"
+
+    def _cannot_tell(self) -> str:
+        """The report of an audit that cannot tell (exit 3), with what to say."""
+        if self.in_memory or self.python is not None:
+            how = (
+                "cleanbuf.audit(data, layout=...) with layout 'time_first' ([T, E]), "
+                "'time_last' ([E, T]) or 'flat' (with envs=N: N envs' rows one after the other)"
+            )
+        else:
+            how = (
+                f"cleanbuf audit {shlex.quote(self.source)} --layout time_first|time_last|flat "
+                "(flat rows of N envs one env after the other: --layout flat --envs N)"
+            )
+        return "\n".join(
+            [
+                f"cleanbuf audit: {self.source} ({self.format})",
+                f"  rows              {self.rows}",
+                f"  layout            {self._layout_line()}",
+                f"  cannot tell: {self.undecided}",
+                f"  say how the rows are laid out: {how}",
+            ]
+        )
+
     def to_json(self) -> str:
         """:meth:`to_dict` as JSON."""
         return json.dumps(self.to_dict(), indent=1)
@@ -229,6 +317,20 @@ class Report:
         fig = figure(self)
         fig.savefig(path, dpi=90)
         plt.close(fig)
+
+
+def clean_name(source: str) -> str:
+    """Where the fix writes by default: a sibling of ``source``, same format.
+
+    Examples:
+        >>> clean_name("runs/data.npz"), clean_name("d4rl.hdf5"), clean_name("runs/rb/")
+        ('runs/data.clean.npz', 'd4rl.clean.hdf5', 'runs/rb.clean')
+    """
+    source = source.rstrip("/")
+    root, ext = os.path.splitext(source)
+    if ext in (".npz", ".h5", ".hdf5"):
+        return f"{root}.clean{ext}"
+    return f"{source}.clean"
 
 
 def stream_positions(streams: Streams, n: int) -> list[np.ndarray]:
@@ -296,98 +398,111 @@ def _ends(rows: Rows, reward: np.ndarray, positions: np.ndarray, details: list, 
         "nan": int(nan.sum()),
         "same_not_reset": int((same & ~reset).sum()),
         "recoverable": int(((zero | nan) & reset).sum()),
-        "lost_no_reset": int(((zero | nan) & ~reset).sum()),
+        # a done row with no row after it (end of collection) is no evidence
+        "lost_no_reset": int(((zero | nan) & ~reset & has_next).sum()),
+        "trailing": int((~has_next).sum()),
     }
 
 
 def _flat(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x).reshape(len(x), -1)
+    return np.ascontiguousarray(x).reshape(len(x), int(np.prod(x.shape[1:])))
 
 
-def audit(source: Any) -> Report:
+def audit(
+    source: Any,
+    *,
+    layout: str | None = None,
+    envs: int | None = None,
+    keys: dict | None = None,
+) -> Report:
     """Audits stored transitions for auto-reset artifacts.
 
     Args:
-        source: a path (a TorchRL ``rb.dumps`` directory, a TensorDict memmap
-            directory or a ``.npz`` file), a TorchRL ``ReplayBuffer`` or
-            storage (dumped to a temporary directory first; the report
-            names the buffer, and its fix is the ``cleanbuf.clean`` call),
-            or a :class:`Dataset`.
+        source: whatever :func:`cleanbuf.clean` takes: a path (a TorchRL
+            ``rb.dumps`` directory, a TensorDict memmap directory, a
+            ``.npz`` or HDF5 file), a TorchRL ``ReplayBuffer`` or storage
+            (dumped to a temporary directory first; the report names the
+            buffer, and its fix is the ``cleanbuf.clean`` call), a dict of
+            arrays or a TensorDict (``[N]``, ``[T, E]`` or ``[E, T]``
+            leading dims), a Stable-Baselines3 ``ReplayBuffer``, or a
+            :class:`Dataset`.
+        layout: ``"time_first"`` (``[T, E, ...]``), ``"time_last"``
+            (``[E, T, ...]``) or ``"flat"``; None decides from the data.
+        envs: with ``layout="flat"``: the rows are this many envs' rows,
+            one env after the other.
+        keys: ``{role: name}`` for arrays named otherwise than TorchRL,
+            CleanRL, offline-RL (D4RL) or Stable-Baselines3 do (roles:
+            obs, next_obs, action, reward, done, terminated, truncated).
 
     Returns:
-        The report: ``print(report)``, ``report.to_dict()``, ``report.clean``.
+        The report: ``print(report)``, ``report.to_dict()``, ``report.clean``
+        (False when it found artifacts or cannot tell: ``report.undecided``).
 
     Raises:
         InputError: an unreadable source, or rows without done flags,
             reward or observations.
+
+    Examples:
+        >>> import numpy as np
+        >>> t = np.arange(6.0)[:, None] + 100 * np.arange(2.0)  # [T=6, E=2], no episode end
+        >>> data = {"obs": t, "next_obs": t + 1, "rewards": np.ones((6, 2)),
+        ...         "dones": np.zeros((6, 2), bool)}
+        >>> r = audit(data)
+        >>> r.layout, r.envs, r.clean
+        ('time_first', 2, True)
     """
+    shape = Shape(layout, envs, keys)
     if isinstance(source, Dataset):
         return analyse(source)[0]
     if isinstance(source, (str, os.PathLike)):
-        return analyse(read(os.fspath(source)))[0]
+        return analyse(read(os.fspath(source), shape))[0]
     with tempfile.TemporaryDirectory(prefix="cleanbuf-") as tmp:
-        report = analyse(from_buffer(source, os.path.join(tmp, "dump")))[0]
+        ds, name, python = dataset(source, shape, os.path.join(tmp, "dump"))
+        report = analyse(ds)[0]
     # The dump was a means: the report names the buffer, and its fix is a call.
-    return dataclasses.replace(report, source=buffer_name(source), format=IN_MEMORY, in_memory=True)
-
-
-def buffer_name(source: Any) -> str:
-    """A TorchRL buffer or storage as its class and its storage's size.
-
-    Examples:
-        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
-        >>> buffer_name(ReplayBuffer(storage=LazyTensorStorage(1000)))
-        'ReplayBuffer(LazyTensorStorage(1000))'
-        >>> buffer_name(LazyTensorStorage(10))
-        'LazyTensorStorage(10)'
-    """
-    storage = getattr(source, "storage", None)
-    if storage is None:
-        return f"{type(source).__name__}({getattr(source, 'max_size', '')})"
-    return f"{type(source).__name__}({buffer_name(storage)})"
+    if python is None:
+        return dataclasses.replace(report, source=name, format=IN_MEMORY, in_memory=True)
+    return dataclasses.replace(report, source=name, python=python)
 
 
 def analyse(ds: Dataset) -> tuple[Report, Streams]:
     """:func:`audit`, and the recovered layout (for cleaning)."""
     data = ds.data
-    done_key = next((k for k in DONE_KEYS if k in data.keys(True, True)), None)
-    if done_key is None or ("next", "reward") not in data.keys(True, True):
+    keys = {_tuple(k) for k in data.keys(True, True)}
+    if not any(k in keys for k in DONE_KEYS) or ("next", "reward") not in keys:
         raise InputError(
-            f"{ds.path}: an audit needs ('next', 'done') (or 'terminated') and "
-            f"('next', 'reward'); the keys are {sorted(data.keys(True, True), key=str)}."
+            f"{ds.path}: an audit needs ('next', 'done') (or 'terminated' / 'truncated') and "
+            f"('next', 'reward') (the reward tells a reset row); the keys are "
+            f"{sorted(keys, key=str)}. Name other arrays with --key ROLE=NAME."
         )
     n = ds.n_rows
     every = np.arange(n)
-    done = ds.column(done_key, every).reshape(n, -1).any(1)
+    base = _base(ds, n)
+    if ds.undecided is not None:
+        return Report(**base, undecided=ds.undecided), Streams(n, 1, 0, (), 0, found=False)
+    done = done_of(keys, lambda k: ds.column(k, every), n)
     reward = ds.column(("next", "reward"), every).reshape(n, -1)[:, 0]
     rows = _rows(ds, observation_key(data), done)
     env = env_if_fresh(ds.env, ds.mark, done)
     streams = recover(rows, ds.chunk, ds.wrapped) if env is None else stored(env)
-    totals: dict[str, int] = {}
-    first_of_episode = np.zeros(n, np.bool_)  # the rows after a done row
-    details: list = []
-    book = _book(ds)
-    per_env = stream_positions(streams, n)
-    for positions in per_env:
-        first_of_episode[positions[1:][done[positions[:-1]]]] = True
-        for k, v in _ends(rows, reward, positions, details, book).items():
-            totals[k] = totals.get(k, 0) + v
-    others = ~done & ~first_of_episode
-    totals["zero_reward_rate"] = float(np.mean(reward[others] == 0)) if others.any() else 1.0
-    mode, joint, confidence, why = _verdict(totals)
     if not streams.found:
-        confidence, why = "low", why + "; env layout not recovered"
+        why = "which env each row came from: the rows do not chain into runs of one env"
+        return Report(**base, undecided=why), streams
+    per_env = stream_positions(streams, n)
+    if all(len(p) < 2 for p in per_env):
+        why = "no env has two rows to compare (one row per env, no chain)"
+        return Report(**base, undecided=why), streams
+    totals, details = _totals(rows, reward, done, per_env, _book(ds))
+    aligned = env is None or ds.layout != "flat"  # a step's rows together (a rectangle's)
+    joint_steps = _joint_steps(done, reward, streams, per_env) if aligned else 0
+    mode, joint, confidence, why = _verdict(totals, joint_steps)
     reset_rows = totals.get("reset", 0) if mode == "next_step" else 0
-    report = Report(
-        source=ds.path,
-        format=ds.format,
-        rows=n,
+    found = dict(
         envs=streams.envs,
         steps=0 if env is not None else streams.steps,
         head=streams.head,
-        wrapped=ds.wrapped,
-        layout_found=streams.found,
-        env_stored=env is not None,
+        layout_found=True,
+        env_stored=env is not None and ds.layout == "flat" and ds.shape.envs is None,
         mode=mode,
         joint_reset=joint,
         confidence=confidence,
@@ -398,12 +513,76 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
         next_obs_nan=totals.get("nan", 0),
         next_obs_is_reset=totals.get("same_not_reset", 0) if mode == "same_step" else 0,
         recoverable=totals.get("recoverable", 0) if mode == "next_step" else 0,
-        # (read as one stream, rows of several envs would look wrong)
-        is_init_wrong=totals.get("is_init_wrong") if streams.found else None,
-        step_count_wrong=totals.get("step_count_wrong") if streams.found else None,
+        is_init_wrong=totals.get("is_init_wrong"),
+        step_count_wrong=totals.get("step_count_wrong"),
+        joint_steps=joint_steps,
+        trailing=totals.get("trailing", 0),
     )
+    report = Report(**{**base, **found})
     report.details = [(positions, *detail) for positions, detail in zip(per_env, details)]
     return report, streams
+
+
+DONE_KEYS = (("next", "done"), ("next", "terminated"), ("next", "truncated"))
+
+
+def _base(ds: Dataset, n: int) -> dict:
+    """The report's fields known before the rows are read (an undecided report's)."""
+    return dict(
+        source=ds.path,
+        format=ds.format,
+        rows=n,
+        envs=0,
+        steps=0,
+        head=0,
+        wrapped=ds.wrapped,
+        layout_found=False,
+        mode="unknown",
+        joint_reset=False,
+        confidence="low",
+        why="",
+        episodes=0,
+        reset_rows=0,
+        next_obs_zero=0,
+        next_obs_nan=0,
+        next_obs_is_reset=0,
+        recoverable=0,
+        layout=ds.layout,
+        layout_why=ds.layout_why,
+        name_set=ds.name_set,
+        shape=ds.shape,
+    )
+
+
+def _totals(rows: Rows, reward, done, per_env: list, book: dict) -> tuple[dict, list]:
+    """The episode-end counts over every env (:func:`_ends`), and their details."""
+    totals: dict[str, Any] = {}
+    first_of_episode = np.zeros(rows.n, np.bool_)  # the rows after a done row
+    details: list = []
+    for positions in per_env:
+        first_of_episode[positions[1:][done[positions[:-1]]]] = True
+        for k, v in _ends(rows, reward, positions, details, book).items():
+            totals[k] = totals.get(k, 0) + v
+    others = ~done & ~first_of_episode
+    totals["zero_reward_rate"] = float(np.mean(reward[others] == 0)) if others.any() else 1.0
+    return totals, details
+
+
+def _joint_steps(done, reward, streams: Streams, per_env: list) -> int:
+    """Done rows of steps where every env ended and the next step restarted every env.
+
+    A joint reset is told only by such a step: every env done, every env
+    with a row after it, and none of those rows a reset row. Done rows at
+    the end of the data have no row after them: no evidence either way.
+    """
+    if streams.envs < 1:
+        return 0
+    joint, _ = joint_rows(done, reward == 0, streams, per_env)
+    restarted = np.zeros(len(done), np.bool_)  # a row after it, and not a reset row
+    for pos in per_env:
+        after = pos[1:]
+        restarted[pos[:-1]] = (reward[after] != 0) | done[after]
+    return int((joint & restarted).sum())
 
 
 def _rows(ds: Dataset, key: tuple, done: np.ndarray) -> Rows:
@@ -433,7 +612,7 @@ def _book(ds: Dataset) -> dict:
     return book
 
 
-def _verdict(t: dict) -> tuple[str, bool, str, str]:
+def _verdict(t: dict, joint_steps: int = 0) -> tuple[str, bool, str, str]:
     """The producer's mode from the episode-end counts, and how sure it is.
 
     A reset row is told by its reward of 0: the verdict is sure only when
@@ -456,7 +635,7 @@ def _verdict(t: dict) -> tuple[str, bool, str, str]:
         why = f"{lost_alone} of {ends} done rows with zero/NaN next observations, no reset row"
     else:
         return "disabled", False, "high" if ends >= 3 else "low", f"{ends} clean episode ends"
-    joint = mode == "next_step" and lost_alone > 0
+    joint = mode == "next_step" and lost_alone > 0 and joint_steps > 0
     if joint and reset:  # the ends a joint reset explains count for the verdict too
         share = (reset + lost_alone) / ends
         why += f", {lost_alone} without one (joint resets)"

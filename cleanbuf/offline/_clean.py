@@ -15,6 +15,9 @@ from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._errors import InputError
 from cleanbuf.engine._keys import DONE_KEYS
 from cleanbuf.engine._options import Options
+from cleanbuf.offline._axes import time_axis
+from cleanbuf.offline._formats import Shape
+from cleanbuf.offline._names import obs_pair, roles
 
 
 def _parts(key: Any) -> tuple:
@@ -128,14 +131,23 @@ def clean(
             ``ReplayBuffer`` or storage filled without the filter (by a
             collector or ``rb.extend``), or a path (an ``rb.dumps``
             directory, a TensorDict memmap directory, a ``.npz`` or HDF5
-            file).
+            file), or a Stable-Baselines3 ``ReplayBuffer``. A dict with a
+            reward is read as stored arrays are: its layout (``[N]``,
+            ``[T, E]``, ``[E, T]``) and names (CleanRL's, offline-RL's)
+            from the data, unless ``batch_dims`` or an engine layout
+            (``"time_last"``, ``"step"``, ``stream_key=``) is given.
         batch_dims: for dicts, the number of batch dimensions; None infers it
             from the done array (a trailing dimension of size 1 is a feature
             dimension).
         dst: for a path, where to write the cleaned dataset (same format);
             None returns the rows instead.
         return_stats: also return the counters (``filt.stats``).
-        **options: the options of :class:`cleanbuf.AutoresetFilter`, ``mode``
+        **options: ``layout`` (``"time_first"``, ``"time_last"``,
+            ``"flat"``), ``envs`` and ``keys`` as :func:`cleanbuf.audit`
+            takes them (a dict, an SB3 buffer or a path then comes back
+            as flat rows under the source's names, with each row's env in
+            ``"_cleanbuf/env"``), and the options of
+            :class:`cleanbuf.AutoresetFilter`, ``mode``
             included (default "next_step"; for stored data, what the audit
             found).
 
@@ -164,6 +176,9 @@ def clean(
         if dst is not None:
             return stored.stats
         return (stored.rows, stored.stats) if return_stats else stored.rows
+    if batch_dims is None and _as_stored_arrays(data, options):
+        out, stats = _clean_arrays(data, options)
+        return (out, stats) if return_stats else out
     as_dict = isinstance(data, Mapping) and not isinstance(data, TensorDictBase)
     if as_dict:
         td, as_numpy = _to_td(data, batch_dims)
@@ -176,6 +191,76 @@ def clean(
         out = torch.cat([out, rest])
     out = _to_dict(out, as_numpy, _slash_named(data)) if as_dict else out
     return (out, cleaner.stats) if return_stats else out
+
+
+def _as_stored_arrays(data: Any, options: dict) -> bool:
+    """Whether in-memory data goes the way stored arrays go (names and layout read).
+
+    A Stable-Baselines3 buffer, and a dict or TensorDict whose names are
+    not TorchRL's, whose layout is said (``"time_first"``, ``"flat"``,
+    ``envs=``, ``keys=``), or whose ``[A, B]`` arrays chain along their
+    first axis (``[T, E]``), and any dict with a reward (its layout and
+    envs read as the audit reads them). TensorDicts (collector batches
+    ``[*E, T]``, rows) and the engine's own layouts (``"time_last"``,
+    ``"step"``, ``stream_key=``) go to the cleaner as they are.
+    """
+    from cleanbuf.offline._sources import _numpy, is_sb3_buffer
+
+    if is_sb3_buffer(data):
+        return True
+    if not isinstance(data, (Mapping, TensorDictBase)) or options.get("stream_key") is not None:
+        return False
+    layout = options.get("layout")
+    if layout in ("time_first", "flat") or options.get("envs") or options.get("keys"):
+        return True
+    if layout is not None:
+        return False
+    arrays = _numpy(data)[0]
+    if roles(list(arrays))[0] != "torchrl":
+        return True
+    pair, done = obs_pair(arrays), arrays.get("next/done")
+    if pair is None or done is None:
+        return False
+    if not isinstance(data, TensorDictBase):  # a dict: stored arrays, read as the audit reads
+        return "next/reward" in arrays
+    if done.ndim < 2 or (done.ndim == 2 and done.shape[1] == 1):
+        return False
+    done = done.reshape(done.shape[:2])
+    return time_axis(arrays[pair[0]], arrays[pair[1]], done.astype(bool))[0] == 0
+
+
+def _clean_arrays(data: Any, options: dict) -> tuple[Any, dict]:
+    """Cleans a dict, a TensorDict or an SB3 buffer as stored arrays are cleaned.
+
+    The result keeps the source's names, flat rows, with each row's env
+    under ``"_cleanbuf/env"`` (a ``[T, E]`` rectangle loses its shape when
+    rows are dropped).
+    """
+    from cleanbuf.offline._clean_files import clean_dataset
+    from cleanbuf.offline._sources import dataset
+
+    shape = Shape(*(options.pop(k, None) for k in ("layout", "envs", "keys")))
+    ds = dataset(data, shape, "")[0]
+    done = clean_dataset(ds, None, **options)
+    rows, env = done.rows, torch.as_tensor(done.env)
+    if isinstance(data, TensorDictBase):
+        rows.set(("_cleanbuf", "env"), env)
+        return rows, done.stats
+    as_numpy = not (isinstance(data, Mapping) and _has_tensors(data))
+    slash = not isinstance(data, Mapping) or _slash_named(data)  # (an SB3 buffer: its names)
+    out = _to_dict(rows, as_numpy, slash_named=slash)
+    if slash:
+        out["_cleanbuf/env"] = env.numpy() if as_numpy else env
+    else:
+        out.setdefault("_cleanbuf", {})["env"] = env.numpy() if as_numpy else env
+    return out, done.stats
+
+
+def _has_tensors(data: Mapping) -> bool:
+    return any(
+        _has_tensors(v) if isinstance(v, Mapping) else isinstance(v, torch.Tensor)
+        for v in data.values()
+    )
 
 
 def _stored(data: Any, dst: str | None, options: dict) -> Any:

@@ -28,7 +28,7 @@ from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._pool import BufferPool
 from cleanbuf.offline._audit import Report, analyse, stream_positions
-from cleanbuf.offline._formats import DUMP, Collect, Dataset, Writer, read
+from cleanbuf.offline._formats import DUMP, Collect, Dataset, Shape, Writer, read
 from cleanbuf.offline._joint import joint_rows
 
 ENV_KEY = "_cleanbuf_env"  # each row's env, as the audit recovered it
@@ -75,12 +75,14 @@ class Cleaned:
         rows: the cleaned rows when no destination was given, else None.
         capacity: for a dump, the rows its storage holds: ``rb.loads(DST)``
             needs a buffer of exactly this size (SRC's, when the rows fit).
+        env: with ``rows``, each row's env.
     """
 
     stats: dict
     report: Report
     rows: TensorDictBase | None = None
     capacity: int | None = None
+    env: np.ndarray | None = None
 
 
 def _progress(total: int, enabled: bool):
@@ -118,7 +120,10 @@ def clean_dataset(
             removed (or, when it cannot be, named). None: a
             :class:`cleanbuf.CleanbufWarning`, for the latter notes.
         **options: :class:`cleanbuf.AutoresetFilter` options; by default those
-            the audit found (``report.options()``).
+            the audit found (``report.options()``); ``joint_reset`` also
+            takes ``"yes"``, ``"no"`` and ``"auto"`` (the audit's).
+            ``layout``, ``envs`` and ``keys`` say how SRC's arrays are laid
+            out and named (as :func:`cleanbuf.offline.audit` takes them).
 
     Returns:
         The stats, the audit of ``src``, and the rows if ``dst`` is None.
@@ -132,15 +137,25 @@ def clean_dataset(
             ``OSError`` with ``errno.ENOSPC``) naming ``dst`` and the bytes
             needed. Nothing is left at ``dst``, nor a temporary directory.
     """
-    ds = src if isinstance(src, Dataset) else read(src)
+    shape = Shape(*(options.pop(k, None) for k in ("layout", "envs", "keys")))
+    ds = src if isinstance(src, Dataset) else read(src, shape)
     if dst is not None:
         _check_apart(ds.path, dst)
     report, streams = _layout(ds)
-    opts = {**report.options(), **options}
-    writer = Collect()
+    opts = {**report.options(), **_joint_option(options)}
+    writer = Collect(ds.names, ds.casts)
     if dst is not None:
         capacity = _capacity(ds, report, say)
-        writer = Writer(ds.format, dst, capacity, force=force, fit=ds.capacity, say=say)
+        writer = Writer(
+            ds.format,
+            dst,
+            capacity,
+            force=force,
+            fit=ds.capacity,
+            names=ds.names,
+            casts=ds.casts,
+            say=say,
+        )
     bar = _progress(report.rows, progress)
     try:
         stats = _clean(ds, report, streams, opts, writer, bar)
@@ -152,13 +167,42 @@ def clean_dataset(
         if bar is not None:
             bar.close()
     if dst is None:
-        return Cleaned(stats, report, writer.rows)
+        return Cleaned(stats, report, writer.rows, env=writer.env_rows)
     return Cleaned(stats, report, capacity=writer.capacity)
+
+
+def _joint_option(options: dict) -> dict:
+    """``joint_reset`` as ``True`` / ``False`` / ``"auto"`` (what the audit found).
+
+    Examples:
+        >>> _joint_option({"joint_reset": "auto", "mode": "next_step"})
+        {'mode': 'next_step'}
+        >>> _joint_option({"joint_reset": "no"})
+        {'joint_reset': False}
+    """
+    options = dict(options)
+    joint = options.pop("joint_reset", "auto")
+    words = {"yes": True, "no": False, True: True, False: False}
+    if joint in (None, "auto"):
+        return options
+    if joint not in words:
+        raise InputError(
+            f"joint_reset={joint!r}: pass True / 'yes' (TorchRL GymEnv's joint resets), "
+            "False / 'no', or 'auto' / None (what the audit found)."
+        )
+    return {**options, "joint_reset": words[joint]}
 
 
 def _layout(ds: Dataset) -> tuple[Report, Any]:
     """The audit and the env layout; an error when the envs cannot be told apart."""
     report, streams = analyse(ds)
+    if report.undecided is not None:
+        raise InputError(
+            f"{ds.path}: cannot tell {report.undecided}; so it cannot be cleaned per env. Say "
+            "how the rows are laid out: --layout time_first ([T, E] arrays), --layout "
+            "time_last ([E, T]) or --layout flat --envs N (N envs' rows one env after the "
+            "other); in Python layout= and envs=."
+        )
     if not streams.found:
         raise InputError(
             f"{ds.path}: cannot tell which env each row came from (the rows do not chain "

@@ -32,8 +32,10 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf.engine._errors import CleanbufWarning, InputError
+from cleanbuf.offline._axes import check_layout, env_after_env, flatten, time_axis
 from cleanbuf.offline._compat import lay_out, storage_tensors
 from cleanbuf.offline._marker import DONE_KEYS, ENV_ARRAY, done_digest, read_dir, write_dir
+from cleanbuf.offline._names import FLAG_ROLES, ROLE_KEYS, check_keys, need, obs_pair, roles
 from cleanbuf.offline._scratch import (
     check_free,
     clear_leftovers,
@@ -46,6 +48,44 @@ from cleanbuf.offline._scratch import (
 
 DUMP, MEMMAP, NPZ, HDF5 = "torchrl-dump", "memmap", "npz", "hdf5"
 HDF5_SUFFIXES = (".h5", ".hdf5")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """How the user says stored arrays are laid out and named (None: from the data).
+
+    Attributes:
+        layout: ``"time_first"`` (``[T, E, ...]``), ``"time_last"``
+            (``[E, T, ...]``) or ``"flat"`` (``[N, ...]`` rows).
+        envs: with ``"flat"``, the rows are this many envs' rows, one env
+            after the other.
+        keys: ``{role: name}`` for arrays named otherwise than a known set.
+    """
+
+    layout: str | None = None
+    envs: int | None = None
+    keys: dict | None = None
+
+    def __post_init__(self):
+        check_layout(self.layout, self.envs)
+        object.__setattr__(self, "keys", check_keys(self.keys) or None)
+
+    def flags(self) -> str:
+        """The command-line flags that say this (``" --layout time_first"``).
+
+        Examples:
+            >>> Shape("flat", 4, {"reward": "r"}).flags()
+            ' --layout flat --envs 4 --key reward=r'
+        """
+        out = "" if self.layout is None else f" --layout {self.layout}"
+        out += "" if self.envs is None else f" --envs {self.envs}"
+        return out + "".join(f" --key {r}={n}" for r, n in (self.keys or {}).items())
+
+    def kwargs(self) -> str:
+        """The same as Python keyword arguments (``', layout="time_first"'``)."""
+        out = "" if self.layout is None else f', layout="{self.layout}"'
+        out += "" if self.envs is None else f", envs={self.envs}"
+        return out + ("" if not self.keys else f", keys={self.keys!r}")
 
 
 @dataclasses.dataclass
@@ -65,7 +105,18 @@ class Dataset:
         wrapped: the buffer was filled and overwritten its oldest slots.
         env: each row's env index (write order) where ``cleanbuf clean``
             stored it, with ``mark``, its marker (see
-            :mod:`cleanbuf.offline._marker`); None elsewhere.
+            :mod:`cleanbuf.offline._marker`), or where a ``[T, E]`` /
+            ``[E, T]`` rectangle gave it; None elsewhere.
+        names: TorchRL key -> the source's name, for arrays read under
+            another name (``obs``, ``observations``, ...): the writer
+            gives them their names back. casts: TorchRL key -> the source
+            dtype of done flags stored as numbers.
+        layout: ``"flat"``, ``"time_first"`` or ``"time_last"``, the
+            source's leading dims; None where the data did not tell
+            (``undecided`` says why: the audit then cannot tell).
+        layout_why: the evidence for the layout. name_set: the names
+            the arrays use (``"torchrl"``, ``"cleanrl"``, ``"offline-rl"``,
+            ``"sb3"``). shape: what the user said (:class:`Shape`).
     """
 
     format: str
@@ -76,6 +127,13 @@ class Dataset:
     wrapped: bool
     env: np.ndarray | None = None
     mark: dict | None = None
+    names: dict = dataclasses.field(default_factory=dict)
+    casts: dict = dataclasses.field(default_factory=dict)
+    layout: str | None = "flat"
+    layout_why: str = ""
+    undecided: str | None = None
+    name_set: str = "torchrl"
+    shape: Shape = dataclasses.field(default_factory=Shape)
 
     @property
     def chunk(self) -> int:
@@ -242,7 +300,7 @@ def _dump(path: str) -> Dataset:
     return Dataset(DUMP, path, data, order, capacity, wrapped)
 
 
-def _npz(path: str) -> Dataset:
+def _npz(path: str, shape: Shape) -> Dataset:
     """A ``.npz`` file, read into memory; never unpickled."""
     head = _head(path, "a .npz archive")
     if not head.startswith(b"PK"):
@@ -268,7 +326,7 @@ def _npz(path: str) -> Dataset:
         raise _damaged(path, ".npz", err) from err
     except Exception as err:  # zipfile, zlib and numpy raise many kinds on a damaged file
         raise _damaged(path, ".npz", err) from err
-    return _arrays(path, NPZ, _numeric(path, arrays))
+    return _arrays(path, NPZ, _numeric(path, arrays), shape)
 
 
 def _head(path: str, what: str) -> bytes:
@@ -304,26 +362,106 @@ def _numeric(path: str, arrays: dict) -> dict:
     return arrays
 
 
-def _arrays(path: str, fmt: str, arrays: dict) -> Dataset:
-    """Arrays named by key path (``"next/observation"``), one entry per row."""
+def _arrays(path: str, fmt: str, arrays: dict, shape: Shape | None = None) -> Dataset:
+    """Arrays named by key path (``"next/observation"``) as rows in write order.
+
+    Their names are mapped to TorchRL's keys (:mod:`cleanbuf.offline._names`),
+    and leading dims ``[T, E]`` or ``[E, T]`` are read as flat rows, step
+    after step, each with its env (:mod:`cleanbuf.offline._axes`).
+    """
+    shape = shape or Shape()
     if not arrays:
         raise InputError(f"{path} holds no arrays.")
+    env = arrays.pop(ENV_ARRAY, None)  # cleanbuf clean's env index: not data
+    if not arrays:
+        raise InputError(f"{path} holds no arrays but {ENV_ARRAY}.")
     n = {name: a.shape[0] if a.ndim else 0 for name, a in arrays.items()}
     if len(set(n.values())) != 1:
         raise InputError(
             f"{path}: the arrays have different numbers of rows {n}; every array must hold "
             "one entry per transition."
         )
-    rows = next(iter(n.values()))
-    env = arrays.pop(ENV_ARRAY, None)  # cleanbuf clean's env index: not data
-    if not arrays:
-        raise InputError(f"{path} holds no arrays but {ENV_ARRAY}.")
+    which, renamed = roles(list(arrays), shape.keys)
+    arrays = {renamed.get(name, name): a for name, a in arrays.items()}
+    need(set(arrays), path)
+    names = {_tuple(tuple(k.split("/"))): src for src, k in renamed.items()}
+    casts = {}
+    for name in [ROLE_KEYS[r] for r in FLAG_ROLES if ROLE_KEYS[r] in arrays]:
+        arrays[name], cast = _flags(arrays[name], name, path)
+        if cast is not None:
+            casts[tuple(name.split("/"))] = cast
+    dims = _leading(arrays, shape, path)
+    layout, why, undecided = "flat", "", None
+    if dims == 2:
+        arrays, env, layout, why, undecided = _rectangle(arrays, shape)
+    elif shape.envs is not None:
+        arrays = env_after_env(arrays, shape.envs, path)
+        arrays, env, _ = flatten(arrays, time=1)
+        why = f"{shape.envs} envs' rows one env after the other (as told)"
+    rows = len(next(iter(arrays.values())))
     tensors = {tuple(name.split("/")): torch.from_numpy(a) for name, a in arrays.items()}
     data = TensorDict(tensors, batch_size=[rows])
-    return Dataset(fmt, path, data, np.arange(rows), rows, False, env)
+    return Dataset(
+        fmt, path, data, np.arange(rows), rows, False, env,
+        names=names, casts=casts, layout=layout, layout_why=why, undecided=undecided,
+        name_set=which, shape=shape,
+    )  # fmt: skip
 
 
-def _hdf5(path: str) -> Dataset:
+def _flags(a: np.ndarray, name: str, path: str) -> tuple[np.ndarray, Any]:
+    """Done flags as bool (SB3 stores them as float 0/1), and the source dtype."""
+    if a.dtype == np.bool_:
+        return a, None
+    if a.dtype.kind in "iuf" and np.isin(a, (0, 1)).all():
+        return a.astype(bool), a.dtype
+    raise InputError(
+        f"{path}: {name} must hold done flags (bool, or numbers 0/1); got dtype {a.dtype} "
+        "with other values. Name the right array with --key done=NAME (keys={'done': NAME})."
+    )
+
+
+def _leading(arrays: dict, shape: Shape, path: str) -> int:
+    """The number of leading dims every array shares: 1 (rows) or 2 (a rectangle)."""
+    flag = next(a for k, a in arrays.items() if k in [ROLE_KEYS[r] for r in FLAG_ROLES])
+    dims = flag.ndim - 1 if flag.ndim > 1 and flag.shape[-1] == 1 else flag.ndim
+    if shape.layout == "flat":
+        dims = 1
+    elif shape.layout is not None:
+        dims = 2
+    if dims not in (1, 2):
+        raise InputError(
+            f"{path}: the done flags have shape {list(flag.shape)}; cleanbuf reads rows [N] or "
+            "rectangles [T, E] / [E, T] (one flag per row). Reshape the arrays to one of those."
+        )
+    lead = {k: tuple(a.shape[:dims]) for k, a in arrays.items()}
+    first = tuple(flag.shape[:dims])
+    bad = {k: list(s) for k, s in lead.items() if s != first}
+    if bad:
+        raise InputError(
+            f"{path}: every array must start with the same {dims} dims as the done flags "
+            f"{list(first)} (one entry per transition); these differ: {bad}."
+        )
+    return dims
+
+
+def _rectangle(arrays: dict, shape: Shape) -> tuple:
+    """``[A, B]`` arrays as flat rows with each row's env, the layout told or found."""
+    if shape.layout is not None:
+        time, why, undecided = (0 if shape.layout == "time_first" else 1), "as told", None
+    else:
+        done = np.zeros(next(iter(arrays.values())).shape[:2], np.bool_)
+        for r in FLAG_ROLES:
+            if ROLE_KEYS[r] in arrays:
+                done |= arrays[ROLE_KEYS[r]].reshape(done.shape)
+        obs, next_obs = obs_pair(arrays)
+        time, why = time_axis(arrays[obs], arrays[next_obs], done)
+        undecided = None if time is not None else f"the time axis: {why}"
+    rows, env, _ = flatten(arrays, 0 if time is None else time)
+    layout = None if time is None else ("time_first", "time_last")[time]
+    return rows, env, layout, why, undecided
+
+
+def _hdf5(path: str, shape: Shape) -> Dataset:
     try:
         import h5py
     except ImportError as err:
@@ -345,7 +483,7 @@ def _hdf5(path: str) -> Dataset:
             )
     except Exception as err:  # h5py raises OSError, KeyError, RuntimeError on damage
         raise _damaged(path, "HDF5", err) from err
-    return _arrays(path, HDF5, _numeric(path, arrays))
+    return _arrays(path, HDF5, _numeric(path, arrays), shape)
 
 
 def _marked(folder: str) -> dict:
@@ -353,8 +491,11 @@ def _marked(folder: str) -> dict:
     return {"env": env, "mark": mark}
 
 
-def read(path: str) -> Dataset:
+def read(path: str, shape: Shape | None = None) -> Dataset:
     """Reads a dump directory, a memmap directory, a ``.npz`` or an HDF5 file.
+
+    ``shape`` says how the arrays are laid out and named (by default, as
+    the data shows it).
 
     Raises:
         InputError: the path does not exist or is in no known format.
@@ -369,6 +510,7 @@ def read(path: str) -> Dataset:
         >>> ds.format, ds.wrapped, ds.data["obs"][torch.as_tensor(ds.order)].tolist()
         ('torchrl-dump', True, [2.0, 3.0, 4.0, 5.0])
     """
+    shape = shape or Shape()
     if not os.path.exists(path):
         raise InputError(f"{path} does not exist.")
     if os.path.isdir(path):
@@ -376,12 +518,17 @@ def read(path: str) -> Dataset:
             return dataclasses.replace(_dump(path), **_marked(path))
         if os.path.exists(os.path.join(path, "meta.json")):
             data = _load_memmap(path)
+            if data.batch_dims > 1 or shape != Shape() or not _torchrl_named(data):
+                # a rectangle or other names: read as arrays (into memory)
+                ds = from_tensordict(path, MEMMAP, data, shape)
+                marked = _marked(path)
+                return ds if marked["env"] is None else dataclasses.replace(ds, **marked)
             n = data.shape[0]
             return Dataset(MEMMAP, path, data, np.arange(n), n, False, **_marked(path))
     elif path.endswith(".npz"):
-        return _npz(path)
+        return _npz(path, shape)
     elif path.endswith(HDF5_SUFFIXES):
-        return _hdf5(path)
+        return _hdf5(path, shape)
     raise InputError(
         f"{path} is in no format cleanbuf reads: a TorchRL replay-buffer dump (a directory "
         "written by rb.dumps, with storage/ and writer/), a TensorDict memmap directory (with "
@@ -390,21 +537,43 @@ def read(path: str) -> Dataset:
     )
 
 
+def _torchrl_named(data: TensorDictBase) -> bool:
+    names = ["/".join(_tuple(k)) for k in data.keys(True, True)]
+    return roles(names)[0] == "torchrl"
+
+
+def from_tensordict(path: str, fmt: str, data: TensorDictBase, shape: Shape) -> Dataset:
+    """A TensorDict (or a memmap directory's) as arrays: see :func:`from_arrays`."""
+    arrays = {"/".join(_tuple(k)): v.numpy() for k, v in data.items(True, True)}
+    return _arrays(path, fmt, arrays, shape)
+
+
+def from_arrays(name: str, arrays: dict, shape: Shape | None = None) -> Dataset:
+    """A dict of arrays in memory (``"/"``-named, numpy) as a :class:`Dataset`."""
+    return _arrays(name, "dict", dict(arrays), shape)
+
+
 class Collect:
     """Keeps the rows in memory (cleaning to no path): :attr:`rows` after commit."""
 
-    def __init__(self):
+    def __init__(self, names: dict | None = None, casts: dict | None = None):
         self.parts: list = []
+        self.env: list = []
+        self.names, self.casts = names or {}, casts or {}  # the source's names and dtypes
         self.rows: TensorDictBase | None = None
+        self.env_rows: np.ndarray | None = None
 
     def write(self, rows: TensorDictBase, env: Any = None) -> None:
-        """Appends rows (``env``, their env index, is for a file writer only)."""
-        if rows.batch_size[0]:
-            self.parts.append(rows)
+        """Appends rows (with the source's names) and ``env``, their env index."""
+        m = rows.batch_size[0]
+        if m:
+            self.parts.append(source_names(rows, self.names, self.casts))
+            self.env.append(np.full(m, -1, np.int64) if env is None else np.asarray(env))
 
     def commit(self, mark: dict | None = None) -> None:
         """Joins the rows (``mark`` is for a file writer only)."""
         self.rows = torch.cat(self.parts) if self.parts else TensorDict(batch_size=[0])
+        self.env_rows = np.concatenate(self.env) if self.env else np.zeros(0, np.int64)
 
     def abort(self) -> None:
         """Drops the rows."""
@@ -464,6 +633,8 @@ class Writer:
         capacity: int,
         force: bool = False,
         fit: int | None = None,
+        names: dict | None = None,
+        casts: dict | None = None,
         say: Callable[[str], None] | None = None,
     ):
         from torchrl.data import LazyMemmapStorage, ReplayBuffer
@@ -472,6 +643,7 @@ class Writer:
         if os.path.exists(dst) and not force:
             raise InputError(f"{dst} exists; pass --force (force=True) to replace it.")
         self.fmt, self.dst, self.n, self.fit = fmt, dst, 0, fit
+        self.names, self.casts = names or {}, casts or {}  # the source's names and dtypes
         self.capacity: int | None = None  # a dump's, once committed: rb.loads needs it
         self.env: list[np.ndarray] = []  # each row's env index, per write
         self.done: list[np.ndarray] = []  # each row's done flag, per write
@@ -508,6 +680,7 @@ class Writer:
         lo, hi = self.n, self.n + m
         self.env.append(np.full(m, -1, np.int32) if env is None else np.asarray(env, np.int32))
         self.done.append(_done_of(rows))
+        rows = source_names(rows, self.names, self.casts)
         fields = plain_leaves(rows) if self._leaves else None
         if fields is not None and fields.keys() == self._leaves.keys():
             for key, value in fields.items():
@@ -536,6 +709,8 @@ class Writer:
     def slot(self, key: Any, rows: int) -> torch.Tensor | None:
         """The output's next ``rows`` rows of ``key``, to gather into; None if not laid out."""
         storage = self.rb.storage
+        if self.names or self.casts:  # the rows are renamed on their way: no slot
+            return None
         if not storage.initialized or self.n + rows > storage.max_size:
             return None
         if self._leaves is None:
@@ -644,13 +819,43 @@ def _cut_rows(path: str, capacity: int, n: int) -> None:
 
 
 def _done_of(rows: TensorDictBase) -> np.ndarray:
-    """Each row's done flag, as the audit reads it (any done entry of the row)."""
+    """Each row's done flag, as the audit reads it (:func:`done_of`)."""
     keys = {_tuple(k) for k in rows.keys(True, True)}
-    key = next((k for k in DONE_KEYS if k in keys), None)
     m = rows.batch_size[0]
-    if key is None:
-        return np.zeros(m, bool)
-    return rows.get(key).reshape(m, -1).any(1).numpy()
+    return done_of(keys, lambda k: rows.get(k).reshape(m, -1).numpy(), m)
+
+
+def done_of(keys: set, column: Any, n: int) -> np.ndarray:
+    """Per row, done: ``("next", "done")`` if stored, else terminated | truncated.
+
+    ``column(key)`` gives a key's ``[n, ...]`` values.
+    """
+    present = [k for k in ((DONE_KEYS[0],) if DONE_KEYS[0] in keys else DONE_KEYS) if k in keys]
+    present += [k for k in (("next", "truncated"),) if k in keys and DONE_KEYS[0] not in keys]
+    out = np.zeros(n, bool)
+    for k in present:
+        out |= column(k).reshape(n, -1).astype(bool).any(1)
+    return out
+
+
+def source_names(rows: TensorDictBase, names: dict, casts: dict) -> TensorDictBase:
+    """Rows with the source's names and flag dtypes back (see ``Dataset.names``).
+
+    Examples:
+        >>> td = TensorDict({("next", "done"): torch.tensor([True])}, [1])
+        >>> out = source_names(td, {("next", "done"): "dones"}, {("next", "done"): np.float32})
+        >>> out["dones"]
+        tensor([1.])
+    """
+    if not names and not casts:
+        return rows
+    out = TensorDict(batch_size=rows.batch_size)
+    for k, v in rows.items(True, True):
+        k = _tuple(k)
+        if k in casts:
+            v = v.to(torch.from_numpy(np.zeros(0, casts[k])).dtype)
+        out.set(tuple(names[k].split("/")) if k in names else k, v)
+    return out
 
 
 def _tuple(key: Any) -> tuple:

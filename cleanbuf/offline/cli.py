@@ -1,8 +1,18 @@
 """The command line: ``cleanbuf audit PATH`` and ``cleanbuf clean SRC DST``.
 
-Exit status: 0 when the data is clean (audit) or was cleaned (clean), 1
-when the audit found artifacts, 2 on an error (the message on stderr), so
-that ``cleanbuf audit`` can guard a pipeline.
+Exit status, so that ``cleanbuf audit`` can guard a pipeline:
+
+* 0: the data is clean (audit: checked, not assumed) or was cleaned (clean);
+* 1: the audit found artifacts (it prints the command that cleans them);
+* 2: an error (the message on stderr);
+* 3: the audit cannot tell (the time axis or the envs are not in the data,
+  or no env has two rows to compare); say the layout with ``--layout``.
+
+Both commands take ``--layout time_first|time_last|flat`` (``--envs N``
+with ``flat``: N envs' rows one env after the other) and ``--key
+ROLE=NAME`` (roles: obs, next_obs, action, reward, done, terminated,
+truncated) for arrays named otherwise than TorchRL, CleanRL, offline-RL
+(D4RL) or Stable-Baselines3 name them.
 """
 
 from __future__ import annotations
@@ -13,13 +23,39 @@ import sys
 
 from cleanbuf.engine._errors import CleanbufError
 from cleanbuf.engine._options import LOST_POLICIES, MODES
+from cleanbuf.offline._axes import LAYOUTS
+from cleanbuf.offline._names import parse_keys
 
 EXAMPLES = """examples:
   cleanbuf audit runs/rb_dump
   cleanbuf audit runs/rb_dump --json
   cleanbuf clean runs/rb_dump runs/rb_clean
   cleanbuf clean data.npz clean.npz --on-lost-terminal-obs drop
+  cleanbuf audit rollout.npz --layout time_first
+  cleanbuf audit rows.npz --layout flat --envs 8 --key reward=r
+
+exit status: 0 clean (audit) or cleaned (clean), 1 artifacts found,
+2 error, 3 the audit cannot tell (say --layout)
 """
+
+
+def _shape_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        help="leading dims of the arrays: time_first [T, E], time_last [E, T], flat [N] "
+        "(default: decided from the data)",
+    )
+    parser.add_argument(
+        "--envs", type=int, help="with --layout flat: N envs' rows, one env after the other"
+    )
+    parser.add_argument(
+        "--key",
+        action="append",
+        metavar="ROLE=NAME",
+        help="the array holding a role (obs, next_obs, action, reward, done, terminated, "
+        "truncated); repeat for several",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,14 +72,22 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("path")
     audit.add_argument("--json", action="store_true", help="print the report as JSON")
     audit.add_argument("--plot", metavar="FILE.png", help="draw the artifacts (needs matplotlib)")
+    _shape_flags(audit)
     clean = sub.add_parser("clean", help="write a cleaned copy of SRC to DST (same format)")
     clean.add_argument("src")
     clean.add_argument("dst")
     clean.add_argument("--force", action="store_true", help="replace DST if it exists")
     clean.add_argument("--mode", choices=MODES, help="the producer's mode (default: audited)")
     clean.add_argument(
-        "--joint-reset", action="store_true", default=None, help="TorchRL GymEnv joint resets"
+        "--joint-reset",
+        choices=("yes", "no", "auto"),
+        nargs="?",
+        const="yes",
+        default="auto",
+        help="TorchRL GymEnv joint resets: yes, no, or auto (default: what the audit found; "
+        "the flag alone means yes)",
     )
+    _shape_flags(clean)
     clean.add_argument(
         "--on-lost-terminal-obs",
         choices=LOST_POLICIES,
@@ -60,17 +104,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     try:
+        shape = {"layout": args.layout, "envs": args.envs, "keys": parse_keys(args.key)}
         if args.command == "audit":
-            report = audit(args.path)
+            report = audit(args.path, **shape)
             print(report.to_json() if args.json else report)
-            if args.plot:
+            if args.plot and report.undecided is None:  # nothing checked: nothing to draw
                 report.plot(args.plot)
-            return 0 if report.clean else 1
-        options = {}
+            return report.status
+        options = {k: v for k, v in shape.items() if v}
         if args.mode is not None:
             options["mode"] = args.mode
-        if args.joint_reset:
-            options["joint_reset"] = True
+        options["joint_reset"] = args.joint_reset
         if args.on_lost_terminal_obs is not None:
             options["on_lost_terminal_obs"] = args.on_lost_terminal_obs
         done = clean_dataset(
