@@ -23,6 +23,7 @@ call when that call's batch comes again (:mod:`cleanbuf.engine._retry`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -43,7 +44,7 @@ from cleanbuf.engine._groups import clean_routed, producer_key
 from cleanbuf.engine._kernels import NEED_INIT, PENDING, Selection, plan_rows
 from cleanbuf.engine._keys import observation_keys
 from cleanbuf.engine._move import Views
-from cleanbuf.engine._options import Options
+from cleanbuf.engine._options import LOST_POLICIES, Options
 from cleanbuf.engine._patch import as_td, fix_bookkeeping, move, write_next_obs
 from cleanbuf.engine._pool import BufferPool
 from cleanbuf.engine._read import Call, Reader
@@ -89,7 +90,7 @@ class Cleaner:
     Examples:
         >>> import torch
         >>> from tensordict import TensorDict
-        >>> from cleanbuf.engine._options import Options
+        >>> from cleanbuf.engine._options import LOST_POLICIES, Options
         >>> obs = torch.tensor([[0.0], [1.0], [2.0], [10.0], [11.0]])
         >>> data = TensorDict({
         ...     "observation": obs,
@@ -363,7 +364,29 @@ class Cleaner:
         carry.layout_kind, carry.stream_shape = "stream_key", (len(known) + len(ids),)
         self._carry = carry
 
-    def flush(self) -> TensorDictBase:
+    def last_call_stored(self) -> None:
+        """Says that the last call's rows were stored.
+
+        The same batch again is then written twice (a
+        :class:`~cleanbuf.ContinuityError`), never taken for a retry of a
+        failed write.
+        """
+        if self._undo is not None:
+            self._undo.stored = True
+
+    def undo_last_call(self) -> bool:
+        """Goes back to before the last call, whose rows never reached the buffer.
+
+        The rows that call released are held again, its counters undone.
+        Returns whether there was a call to undo.
+        """
+        if self._undo is None or self._undo.stored:
+            return False
+        last, self._undo = self._undo, None
+        last.restore(self)
+        return True
+
+    def flush(self, on_lost_terminal_obs: str | None = None) -> TensorDictBase:
         """Returns the held rows (flat ``[H]``) and forgets them.
 
         A held row waits for the row after it: the reset row holding its
@@ -378,8 +401,16 @@ class Cleaner:
         producer's held rows, producer after producer.
         """
         self._undo = None  # a flush is no call to repeat
+        options = self.options
+        if on_lost_terminal_obs is not None:
+            if on_lost_terminal_obs not in LOST_POLICIES:
+                raise CleanbufError(
+                    f"on_lost_terminal_obs={on_lost_terminal_obs!r}: expected one of "
+                    f"{LOST_POLICIES}. Nothing was flushed."
+                )
+            options = dataclasses.replace(options, on_lost_terminal_obs=on_lost_terminal_obs)
         carries = self._groups or [self._carry]
-        outs = [flush_carry(self.options, carry, self._stats) for carry in carries]
+        outs = [flush_carry(options, carry, self._stats) for carry in carries]
         outs = [o for o in outs if o.batch_size[0]]
         return torch.cat(outs) if outs else TensorDict({}, batch_size=[0])
 

@@ -1,0 +1,88 @@
+"""Whether the rows a filter's call returned reached the buffer: what the buffer shows.
+
+A replay buffer runs the filter, then writes what the filter returned; if
+that write fails (a full disk, a storage that raises) the filter has
+already moved on. The buffer tells which happened the next time the filter
+looks: a round-robin writer wrote the call's rows at the slots from its
+cursor on, so those slots hold them (their first and last rows, compared
+on one observation leaf) when the write succeeded, and something else when
+it failed. The filter looks before its next call, its flush, its stats and
+its state:
+
+- stored: the call stands; the same batch written again is a duplicate
+  (a :class:`~cleanbuf.ContinuityError`), never a retry;
+- failed: the cleaner goes back to before that call (the rows it released
+  are held again), as if it never came: a retry stores them, and another
+  batch is refused as a skipped one;
+- unknown (another writer, a consuming buffer, a transform after the
+  filter that changed the rows' keys): the cleaner's own rule stays
+  (:mod:`cleanbuf.engine._retry`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from cleanbuf.online._compat import writer_slot
+
+
+@dataclasses.dataclass(frozen=True)
+class LastWrite:
+    """A call's rows on their way into a buffer.
+
+    Attributes:
+        buffer: a weak reference to the buffer.
+        first: the slot of the first row.
+        capacity: the storage's capacity (slots wrap around).
+        n_rows: rows the call returned.
+        key: the leaf compared.
+        probe: that leaf's first and last rows, as the call returned them.
+    """
+
+    buffer: Any
+    first: int
+    capacity: int
+    n_rows: int
+    key: tuple
+    probe: torch.Tensor
+
+    def stored(self) -> bool | None:
+        """True if the buffer holds the rows, False if not, None if it cannot tell."""
+        rb = self.buffer()
+        if rb is None:
+            return None
+        try:
+            slots = torch.tensor([self.first, self.first + self.n_rows - 1]) % self.capacity
+            rows = rb.storage.get(slots)
+        except Exception:  # nothing stored yet (the first write failed), or unreadable
+            return False if not getattr(rb.storage, "initialized", True) else None
+        if not isinstance(rows, TensorDictBase) or self.key not in rows.keys(True, True):
+            return None
+        held = rows.get(self.key)
+        if held.shape != self.probe.shape or held.dtype != self.probe.dtype:
+            return False
+        return bool(torch.equal(held.detach().cpu(), self.probe))
+
+
+def slot_before(rb: Any) -> tuple[int, int] | None:
+    """Where the buffer will write the call's rows (see :func:`writer_slot`)."""
+    return None if rb is None else writer_slot(rb)
+
+
+def record(rb: Any, slot: tuple[int, int], out: TensorDictBase) -> LastWrite | None:
+    """What to look at later to tell whether ``out`` reached ``rb`` (None: nothing to tell)."""
+    n = out.batch_size[0] if out.batch_dims else 0
+    if not n or n > slot[1]:
+        return None
+    keys = [k for k in out.keys(True, True) if isinstance(k, str) and ("next", k) in out.keys(True)]
+    if not keys:
+        return None
+    key = keys[0]
+    value = out.get(key)
+    probe = value[torch.tensor([0, n - 1], device=value.device)].detach().cpu().clone()
+    return LastWrite(weakref.ref(rb), slot[0], slot[1], n, key, probe)
