@@ -88,3 +88,18 @@ def writer_slot(rb: Any) -> tuple[int, int] | None:
     except Exception:  # a storage without a capacity, a writer without a cursor
         return None
     return (cursor, capacity) if capacity > 0 else None
+
+
+def storage_rows(storage: Any, slots: Any) -> Any:
+    """The rows a storage holds at ``slots``, written or not as far as its length says.
+
+    TorchRL's ``storage.get`` stops at ``len(storage)``, which counts the
+    rows written, not the slots: after a failed write the writer's cursor
+    has moved past slots that ``len`` does not count, and later rows sit
+    beyond it. A tensor storage keeps every slot in ``storage._storage``;
+    elsewhere ``storage.get``.
+    """
+    raw = getattr(storage, "_storage", None)
+    if getattr(storage, "initialized", False) and hasattr(raw, "batch_size"):
+        return raw[slots]
+    return storage.get(slots)

@@ -4,9 +4,10 @@ A replay buffer runs the filter, then writes what the filter returned; if
 that write fails (a full disk, a storage that raises) the filter has
 already moved on. The buffer tells which happened the next time the filter
 looks: a round-robin writer wrote the call's rows at the slots from its
-cursor on, so those slots hold them (their first and last rows, compared
-on one observation leaf) when the write succeeded, and something else when
-it failed. The filter looks before its next call, its flush, its stats and
+cursor on, so the storage counts them and those slots hold them (their
+first and last rows, compared on one observation leaf) when the write
+succeeded; a failed write leaves the count short or the slots holding
+something else. The filter looks before its next call, its flush, its stats and
 its state:
 
 - stored: the call stands; the same batch written again is a duplicate
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from cleanbuf.online._compat import writer_slot
+from cleanbuf.online._compat import storage_rows, writer_slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,9 @@ class LastWrite:
 
     Attributes:
         buffer: a weak reference to the buffer.
+        write_count: the writer's count once it took the rows (moved
+            before the storage writes, so also after a failed write).
+        length: ``len(storage)`` the write must reach (it counts rows written).
         first: the slot of the first row.
         capacity: the storage's capacity (slots wrap around).
         n_rows: rows the call returned.
@@ -45,6 +49,8 @@ class LastWrite:
     """
 
     buffer: Any
+    write_count: int
+    length: int
     first: int
     capacity: int
     n_rows: int
@@ -54,13 +60,15 @@ class LastWrite:
     def stored(self) -> bool | None:
         """True if the buffer holds the rows, False if not, None if it cannot tell."""
         rb = self.buffer()
-        if rb is None:
-            return None
+        if rb is None or rb.write_count < self.write_count:
+            return None  # the buffer is gone, or was emptied since
+        slots = torch.tensor([self.first, self.first + self.n_rows - 1]) % self.capacity
+        if not getattr(rb.storage, "initialized", True) or len(rb.storage) < self.length:
+            return False  # nothing was ever stored, or the write never counted its rows
         try:
-            slots = torch.tensor([self.first, self.first + self.n_rows - 1]) % self.capacity
-            rows = rb.storage.get(slots)
-        except Exception:  # nothing stored yet (the first write failed), or unreadable
-            return False if not getattr(rb.storage, "initialized", True) else None
+            rows = storage_rows(rb.storage, slots)
+        except Exception:  # a storage that cannot be read by index
+            return None
         if not isinstance(rows, TensorDictBase) or self.key not in rows.keys(True, True):
             return None
         held = rows.get(self.key)
@@ -85,4 +93,5 @@ def record(rb: Any, slot: tuple[int, int], out: TensorDictBase) -> LastWrite | N
     key = keys[0]
     value = out.get(key)
     probe = value[torch.tensor([0, n - 1], device=value.device)].detach().cpu().clone()
-    return LastWrite(weakref.ref(rb), slot[0], slot[1], n, key, probe)
+    length = min(len(rb.storage) + n, slot[1])
+    return LastWrite(weakref.ref(rb), rb.write_count + n, length, slot[0], slot[1], n, key, probe)
