@@ -226,9 +226,17 @@ def check_state(state: dict) -> None:
             raise _state_error(field, "the field", f"a state without it (keys {sorted(state)})")
     if state["layout_kind"] not in _LAYOUT_KINDS:
         raise _state_error("layout_kind", f"one of {_LAYOUT_KINDS}", repr(state["layout_kind"]))
-    per_stream = [n for n in _PER_STREAM if n in state]
+    n_streams = _check_streams(state)
+    _check_held(state, n_streams)
+    _check_last(state)
+    if "traj_ids" in state:
+        _tensor_1d(state, "traj_ids")
+
+
+def _check_streams(state: dict) -> int:
+    """Checks the per-stream fields, the stream shape and ids; returns the streams."""
     n_streams = len(_tensor_1d(state, "pending"))
-    for field in per_stream:
+    for field in (n for n in _PER_STREAM if n in state):
         if len(_tensor_1d(state, field)) != n_streams:
             raise _state_error(
                 field, f"{n_streams} values (one per stream, as 'pending')", str(len(state[field]))
@@ -246,6 +254,11 @@ def check_state(state: dict) -> None:
     ids = state["stream_ids"]
     if ids is not None and len(_tensor_1d(state, "stream_ids")) != n_streams:
         raise _state_error("stream_ids", f"{n_streams} ids (one per stream)", str(len(ids)))
+    return n_streams
+
+
+def _check_held(state: dict, n_streams: int) -> None:
+    """Checks the held rows: one per stream at most, lined up with their streams."""
     held_stream = _tensor_1d(state, "held_stream")
     if len(held_stream) and (
         int(held_stream.min()) < 0
@@ -268,19 +281,23 @@ def check_state(state: dict) -> None:
             )
     if len(held_stream) and not held:
         raise _state_error("held", f"{len(held_stream)} held rows", "no keys")
-    if "last_open" in state:
-        n_open = len(_tensor_1d(state, "last_open"))
-        if n_open not in (0, n_streams):
-            raise _state_error("last_open", f"0 or {n_streams} values", str(n_open))
-        last_next = state.get("last_next", {})
-        if not isinstance(last_next, dict):
-            raise _state_error("last_next", "a dict of tensors", type(last_next).__name__)
-        for key, value in last_next.items():
-            if not isinstance(value, torch.Tensor) or value.dim() != 2 or len(value) != n_open:
-                is_tensor = isinstance(value, torch.Tensor)
-                got = f"shape {list(value.shape)}" if is_tensor else "no tensor"
-                raise _state_error(
-                    f"last_next[{key!r}]", f"a [{n_open}, bytes] tensor (as 'last_open')", got
-                )
-    if "traj_ids" in state:
-        _tensor_1d(state, "traj_ids")
+
+
+def _check_last(state: dict) -> None:
+    """Checks the continuity facts: one per stream, or none."""
+    if "last_open" not in state:
+        return
+    n_open = len(_tensor_1d(state, "last_open"))
+    n_streams = len(state["pending"])
+    if n_open not in (0, n_streams):
+        raise _state_error("last_open", f"0 or {n_streams} values", str(n_open))
+    last_next = state.get("last_next", {})
+    if not isinstance(last_next, dict):
+        raise _state_error("last_next", "a dict of tensors", type(last_next).__name__)
+    for key, value in last_next.items():
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or len(value) != n_open:
+            is_tensor = isinstance(value, torch.Tensor)
+            got = f"shape {list(value.shape)}" if is_tensor else "no tensor"
+            raise _state_error(
+                f"last_next[{key!r}]", f"a [{n_open}, bytes] tensor (as 'last_open')", got
+            )

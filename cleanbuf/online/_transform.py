@@ -89,9 +89,11 @@ class AutoresetFilter(Transform):
     (``is_init``, or ``step_count`` 0: a collector reset between batches,
     which ends the interrupted episode there). Another producer's batch, a
     skipped batch or an unnoticed reset raises
-    :class:`~cleanbuf.ContinuityError`. A batch written again right after its
-    write failed is taken as a retry: its rows (and the held rows its call
-    released) are delivered again.
+    :class:`~cleanbuf.ContinuityError`. Before each call the filter reads
+    from the buffer whether the last call's rows arrived: a batch written
+    again after its write failed is a retry (its rows, and the held rows
+    its call released, are delivered again), one written again after its
+    write succeeded is a duplicate (``ContinuityError``).
 
     **Batch-end marks.** ``Collector(set_truncated=True)`` marks every
     batch's last step done and truncated. Such a row (done, truncated, not
@@ -127,8 +129,10 @@ class AutoresetFilter(Transform):
     flavour, or a reward transform that moves 0: ``check_reset_rows=False``).
     A lost terminal observation is NaN by default (floating observations),
     counted in ``stats["terminal_obs_missing"]``; integer observations need an
-    explicit ``on_lost_terminal_obs``. Any error leaves the filter's state
-    and the buffer unchanged.
+    explicit ``on_lost_terminal_obs`` (at the end, also
+    ``flush(rb, on_lost_terminal_obs=...)``). Any error leaves the filter's
+    state and the buffer unchanged. A filter collected while it holds rows
+    (a forgotten :meth:`flush`) warns, and its repr shows them.
 
     Args:
         mode: "next_step", "same_step", "disabled" (validate and pass

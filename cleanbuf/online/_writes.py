@@ -62,7 +62,8 @@ class LastWrite:
         rb = self.buffer()
         if rb is None or rb.write_count < self.write_count:
             return None  # the buffer is gone, or was emptied since
-        slots = torch.tensor([self.first, self.first + self.n_rows - 1]) % self.capacity
+        ends = [self.first, self.first + self.n_rows - 1] if self.n_rows > 1 else [self.first]
+        slots = torch.tensor(ends) % self.capacity
         if not getattr(rb.storage, "initialized", True) or len(rb.storage) < self.length:
             return False  # nothing was ever stored, or the write never counted its rows
         try:
@@ -87,11 +88,14 @@ def record(rb: Any, slot: tuple[int, int], out: TensorDictBase) -> LastWrite | N
     n = out.batch_size[0] if out.batch_dims else 0
     if not n or n > slot[1]:
         return None
-    keys = [k for k in out.keys(True, True) if isinstance(k, str) and ("next", k) in out.keys(True)]
-    if not keys:
+    nxt = out.get("next", None)
+    if not isinstance(nxt, TensorDictBase):
         return None
-    key = keys[0]
-    value = out.get(key)
-    probe = value[torch.tensor([0, n - 1], device=value.device)].detach().cpu().clone()
+    twins = nxt.keys()
+    key = next((k for k in out.keys() if k != "next" and k in twins), None)  # an observation
+    value = None if key is None else out.get(key)
+    if not isinstance(value, torch.Tensor):
+        return None
+    probe = value[:: max(n - 1, 1)].detach().cpu().clone()  # the first and the last row
     length = min(len(rb.storage) + n, slot[1])
     return LastWrite(weakref.ref(rb), rb.write_count + n, length, slot[0], slot[1], n, key, probe)
