@@ -26,6 +26,7 @@ from cleanbuf.engine._errors import (
     InputError,
     LayoutError,
     ResetRowError,
+    StateError,
     TerminalObservationLostError,
 )
 from cleanbuf.offline import audit
@@ -44,6 +45,7 @@ __all__ = [
     "LayoutError",
     "ResetRowError",
     "RolloutRepair",
+    "StateError",
     "TerminalObservationLostError",
     "audit",
     "clean",

@@ -17,7 +17,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 from torchrl.collectors import Collector
-from torchrl.data import LazyMemmapStorage, LazyTensorStorage
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.envs import GymEnv, GymWrapper
 
 from cleanbuf import AutoresetFilter, CleanbufError
@@ -52,6 +52,9 @@ def test_the_private_names_are_there():
     storage = LazyTensorStorage(8)
     storage.set(slice(0, 2), TensorDict({"a": torch.ones(2, 3)}, [2]))
     assert offline_compat.storage_tensors(storage).shape == (8,)  # every slot, not the filled
+    rb = ReplayBuffer(storage=storage)
+    assert online_compat.writer_slot(rb) == (0, 8)  # RoundRobinWriter._cursor
+    assert online_compat.storage_rows(storage, torch.tensor([1, 5])).shape == (2,)
 
 
 def test_fallbacks_match_the_private_paths():

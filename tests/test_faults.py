@@ -8,20 +8,9 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter, LayoutError
 from tests.batches import assert_same_rows, next_step_batch
+from tests.faults import FlakyStorage
 
 STEPS = 6
-
-
-class FlakyStorage(LazyTensorStorage):
-    """A storage whose next write raises once ``fail_next`` is set."""
-
-    fail_next = False
-
-    def set(self, *args, **kwargs):
-        if self.fail_next:
-            self.fail_next = False
-            raise OSError("disk full (injected)")
-        return super().set(*args, **kwargs)
 
 
 def _calls(traj_ids):

@@ -24,6 +24,7 @@ from torchrl.objectives.value import TD0Estimator
 import cleanbuf
 from cleanbuf import AutoresetFilter, CleanbufError, CleanbufWarning
 from tests.batches import assert_same_rows
+from tests.faults import lost_warnings
 from tests.oracle import STREAM, collect, compare_streams, make_env, streams_from_batches
 
 E, T, HORIZON = 3, 8, 6
@@ -142,7 +143,7 @@ def test_for_env_warns_when_a_loss_happens_not_before():
         rb.extend(batches[0][:, HORIZON - 1 :])
         for batch in batches[1:]:
             rb.extend(batch)
-    lost = [r for r in record if issubclass(r.category, CleanbufWarning)]
+    lost = lost_warnings(record)
     assert len(lost) == 1
     message = str(lost[0].message)
     assert message.startswith(f"{E} terminal observation(s) were lost")

@@ -20,6 +20,7 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter, CleanbufError, CleanbufWarning, ContinuityError
 from tests.batches import assert_same_rows
+from tests.faults import lost_warnings
 from tests.invariants import check_invariants
 from tests.oracle import compare_streams, streams_from_rows
 from tests.workers import (
@@ -276,7 +277,7 @@ def _check_loss_warning(filt, rb):
     """
     with pytest.warns(CleanbufWarning) as record:
         stats = filt.stats
-    lost = [r for r in record if issubclass(r.category, CleanbufWarning)]
+    lost = lost_warnings(record)
     assert len(lost) == 1
     message = str(lost[0].message)
     n_nan = int(rb[: len(rb)]["next", "observation"].isnan().any(-1).sum())

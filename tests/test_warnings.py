@@ -9,6 +9,7 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import AutoresetFilter, CleanbufWarning
 from tests.batches import next_step_batch
+from tests.faults import lost_warnings
 from tests.oracle import collect, make_env
 
 
@@ -35,7 +36,7 @@ def test_lost_terminal_observations_warn_once():
     with pytest.warns(CleanbufWarning) as record:
         rb.extend(first)
         rb.extend(second)
-    lost = [r for r in record if issubclass(r.category, CleanbufWarning)]
+    lost = lost_warnings(record)
     assert len(lost) == 1
     message = str(lost[0].message)
     assert filt.stats["terminal_obs_missing"] >= 2

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from cleanbuf.engine._continuity import LastRows, as_bytes
-from cleanbuf.engine._errors import InputError
+from cleanbuf.engine._errors import StateError
 from cleanbuf.engine._kernels import (
     JOINT_MARK,
     MARK,
@@ -80,6 +80,8 @@ class Carry:
     held_stream: np.ndarray = _empty(np.int64)
     last: LastRows = dataclasses.field(default_factory=LastRows)  # for the continuity check
     traj_ids: np.ndarray = _empty(np.int64)  # producer_key: the last rows' trajectory ids
+    # Observation key -> (dtype, feature shape) of the calls so far (a change is refused).
+    obs_schema: dict = dataclasses.field(default_factory=dict)
 
     @property
     def n_streams(self) -> int:
@@ -143,13 +145,13 @@ class Carry:
 
     @classmethod
     def from_state_dict(cls, state: dict) -> Carry:
-        """Rebuilds the carry from :meth:`state_dict`'s output."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise InputError(
-                f"not a cleanbuf state of version {STATE_VERSION} (got "
-                f"{state.get('version') if isinstance(state, dict) else type(state).__name__}); "
-                "pass what AutoresetFilter.state_dict() returned with this cleanbuf version."
-            )
+        """Rebuilds the carry from :meth:`state_dict`'s output.
+
+        Raises:
+            StateError: the state is not one :meth:`state_dict` returned, or
+                its fields do not agree (checked before anything is built).
+        """
+        check_state(state)
         ids = state["stream_ids"]
         shape = state["stream_shape"]
         per_stream = np.zeros((len(_PER_STREAM), len(state["pending"])), np.int64)
@@ -173,3 +175,129 @@ class Carry:
             else np.zeros(0, np.int64),
             per_stream=per_stream,
         )
+
+
+_LAYOUT_KINDS = (None, "time_last", "step", "stream_key")
+_FIX = "Pass what state_dict() returned, unchanged, to a filter built with the same options."
+
+
+def _state_error(field: str, expected: str, got: str) -> StateError:
+    return StateError(f"state field {field!r}: expected {expected}, got {got}. {_FIX}")
+
+
+def _tensor_1d(state: dict, field: str) -> torch.Tensor:
+    value = state[field]
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.is_floating_point():
+        got = (
+            f"shape {list(value.shape)} and dtype {value.dtype}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        raise _state_error(field, "a 1-D integer or bool tensor", got)
+    return value
+
+
+def check_state(state: dict) -> None:
+    """Raises unless ``state`` is a consistent carry state (:meth:`Carry.state_dict`).
+
+    Every field is checked before anything is built from it: its presence,
+    its type, and that the per-stream fields, the held rows and the stream
+    shape agree.
+
+    Raises:
+        StateError: the first field that is wrong, with what it should be.
+
+    Examples:
+        >>> check_state(Carry().grown(2).state_dict())
+        >>> check_state("garbage")
+        Traceback (most recent call last):
+        ...
+        cleanbuf.engine._errors.StateError: state: expected a dict ...
+    """
+    if not isinstance(state, dict):
+        raise StateError(
+            f"state: expected a dict returned by state_dict(), got {type(state).__name__}. {_FIX}"
+        )
+    if state.get("version") != STATE_VERSION:
+        raise _state_error("version", str(STATE_VERSION), repr(state.get("version")))
+    required = ("stream_shape", "layout_kind", "stream_ids", "held", "held_stream")
+    for field in (*required, *(n for n in _PER_STREAM if n != "marked")):
+        if field not in state:
+            raise _state_error(field, "the field", f"a state without it (keys {sorted(state)})")
+    if state["layout_kind"] not in _LAYOUT_KINDS:
+        raise _state_error("layout_kind", f"one of {_LAYOUT_KINDS}", repr(state["layout_kind"]))
+    n_streams = _check_streams(state)
+    _check_held(state, n_streams)
+    _check_last(state)
+    if "traj_ids" in state:
+        _tensor_1d(state, "traj_ids")
+
+
+def _check_streams(state: dict) -> int:
+    """Checks the per-stream fields, the stream shape and ids; returns the streams."""
+    n_streams = len(_tensor_1d(state, "pending"))
+    for field in (n for n in _PER_STREAM if n in state):
+        if len(_tensor_1d(state, field)) != n_streams:
+            raise _state_error(
+                field, f"{n_streams} values (one per stream, as 'pending')", str(len(state[field]))
+            )
+    shape = state["stream_shape"]
+    if shape is not None:
+        if not isinstance(shape, (list, tuple)) or not all(
+            isinstance(d, int) and d >= 0 for d in shape
+        ):
+            raise _state_error("stream_shape", "None or a list of sizes", repr(shape))
+        if state["layout_kind"] != "stream_key" and int(np.prod(shape)) != n_streams:
+            raise _state_error(
+                "stream_shape", f"sizes whose product is the {n_streams} streams", repr(shape)
+            )
+    ids = state["stream_ids"]
+    if ids is not None and len(_tensor_1d(state, "stream_ids")) != n_streams:
+        raise _state_error("stream_ids", f"{n_streams} ids (one per stream)", str(len(ids)))
+    return n_streams
+
+
+def _check_held(state: dict, n_streams: int) -> None:
+    """Checks the held rows: one per stream at most, lined up with their streams."""
+    held_stream = _tensor_1d(state, "held_stream")
+    if len(held_stream) and (
+        int(held_stream.min()) < 0
+        or int(held_stream.max()) >= n_streams
+        or len(torch.unique(held_stream)) != len(held_stream)
+    ):
+        raise _state_error(
+            "held_stream",
+            f"distinct stream indices in [0, {n_streams})",
+            str(held_stream.tolist()),
+        )
+    held = state["held"]
+    if not isinstance(held, dict):
+        raise _state_error("held", "a dict of tensors", type(held).__name__)
+    for key, value in held.items():
+        if not isinstance(value, torch.Tensor) or not value.dim() or len(value) != len(held_stream):
+            got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            raise _state_error(
+                f"held[{key!r}]", f"a tensor of {len(held_stream)} rows (as 'held_stream')", got
+            )
+    if len(held_stream) and not held:
+        raise _state_error("held", f"{len(held_stream)} held rows", "no keys")
+
+
+def _check_last(state: dict) -> None:
+    """Checks the continuity facts: one per stream, or none."""
+    if "last_open" not in state:
+        return
+    n_open = len(_tensor_1d(state, "last_open"))
+    n_streams = len(state["pending"])
+    if n_open not in (0, n_streams):
+        raise _state_error("last_open", f"0 or {n_streams} values", str(n_open))
+    last_next = state.get("last_next", {})
+    if not isinstance(last_next, dict):
+        raise _state_error("last_next", "a dict of tensors", type(last_next).__name__)
+    for key, value in last_next.items():
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or len(value) != n_open:
+            is_tensor = isinstance(value, torch.Tensor)
+            got = f"shape {list(value.shape)}" if is_tensor else "no tensor"
+            raise _state_error(
+                f"last_next[{key!r}]", f"a [{n_open}, bytes] tensor (as 'last_open')", got
+            )

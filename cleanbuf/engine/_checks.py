@@ -6,6 +6,8 @@ before the cleaner commits anything.
 
 from __future__ import annotations
 
+import torch
+
 from cleanbuf.engine._carry import Carry
 from cleanbuf.engine._errors import (
     InputError,
@@ -35,19 +37,53 @@ def same_streams(carry: Carry, layout: CallLayout) -> None:
 def same_schema_as_held(held: dict, leaves: dict, batch_dims: int) -> None:
     """Raises unless a batch's leaves match the held rows (while rows are held)."""
     if set(held) != set(leaves):
+        gone = ", ".join(key_name(k) for k in sorted(set(held) - set(leaves), key=str))
+        new = ", ".join(key_name(k) for k in sorted(set(leaves) - set(held), key=str))
         raise InputError(
-            f"the batch keys changed while rows are held: held rows have "
-            f"{sorted(held, key=str)}, this batch has {sorted(leaves, key=str)}. Keep "
-            "the keys stable, or call flush() before changing them."
+            f"the batch keys changed between calls while rows are held: expected the held "
+            f"rows' keys, got a batch without [{gone}] and with new [{new}]. Keep the keys "
+            "stable (every batch of a producer has the same keys), or call flush(rb) before "
+            "changing them. Nothing was written."
         )
     for k, v in leaves.items():
         h = held[k]
         if h.dtype != v.dtype or h.shape[1:] != v.shape[batch_dims:]:
+            what = "dtype" if h.dtype != v.dtype else "feature shape"
+            cast = f"data.set({key_name(k)}, data.get({key_name(k)}).to({h.dtype}))"
             raise InputError(
-                f"key {key_name(k)} changed while rows are held: held rows have shape "
-                f"{list(h.shape[1:])} and dtype {h.dtype} per row, this batch has "
-                f"{list(v.shape[batch_dims:])} and {v.dtype}. Call flush() before changing it."
+                f"key {key_name(k)} changed its {what} between calls while rows are held: "
+                f"expected shape {list(h.shape[1:])} and dtype {h.dtype} per row (as the held "
+                f"rows), got {list(v.shape[batch_dims:])} and {v.dtype}. Keep it stable "
+                f"(cast before the filter: {cast}), "
+                "or call flush(rb) before changing it. Nothing was written."
             )
+
+
+def same_observations(before: dict, now: dict) -> None:
+    """Raises unless the observation keys kept their dtype and feature shape.
+
+    Args:
+        before: key -> (dtype, feature shape) of the calls before.
+        now: the same for this call.
+
+    Raises:
+        InputError: a key present in both changed (a new or a dropped key is
+            left to the continuity check).
+    """
+    for k, (dtype, shape) in before.items():
+        if k not in now or now[k] == (dtype, shape):
+            continue
+        new_dtype, new_shape = now[k]
+        what = "dtype" if dtype != new_dtype else "feature shape"
+        cast = f"data.set({key_name(k)}, data.get({key_name(k)}).to({dtype}))"
+        raise InputError(
+            f"observation key {key_name(k)} changed its {what} between calls: expected dtype "
+            f"{dtype} and feature shape {list(shape)} (as the calls before), got {new_dtype} "
+            f"and {list(new_shape)}. This is no other producer: a stream's observations keep "
+            f"their kind from step to step. Cast before the filter ({cast}, and its "
+            "('next', ...) twin), or flush(rb) and use a new filter for data of another kind. "
+            "Nothing was written."
+        )
 
 
 def bad_reset_row(row: int, stream: int, done: bool) -> ResetRowError:
@@ -61,7 +97,9 @@ def bad_reset_row(row: int, stream: int, done: bool) -> ResetRowError:
         "mode='same_step' or 'disabled'; TorchRL GymEnv(num_envs=N) needs "
         "joint_reset=True; AutoresetFilter.for_env(env) sets both. If a reward "
         "transform inside the env shifts rewards away from 0, pass "
-        "check_reset_rows=False. Nothing was written."
+        "check_reset_rows=False. If the configuration is right, a batch was skipped or "
+        "came out of order (the row after a done row is not its reset row). Nothing was "
+        "written."
     )
 
 
@@ -113,7 +151,8 @@ def lost_policy(
             "a reset group at once, the final observation is absent, or the row after "
             f"never arrived) and {why}. Choose on_lost_terminal_obs='drop' (do not "
             "store those rows), 'keep' (store them as the producer left them) or 'nan' "
-            "(floating observations only). Nothing was written."
+            "(floating observations only); at the end of collection it can be given to the "
+            "flush alone: filt.flush(rb, on_lost_terminal_obs='keep'). Nothing was written."
         )
     if policy == "nan" and ints:
         raise InputError(
@@ -152,3 +191,48 @@ def reset_groups(group: int, n_streams: int, stream_shape: tuple) -> None:
             f"shape {list(stream_shape)}; it must be the number of envs that "
             "reset together (the envs of one TorchRL GymEnv / worker)."
         )
+
+
+def time_first_hint(leaves: dict, batch_size: tuple, obs_keys: list) -> str:
+    """A sentence saying that a ``[A, B]`` batch read as ``[E, T]`` looks time-first.
+
+    Within a stream, a row's next observation is the next row's
+    observation except at episode ends. Read along the last axis (time
+    last, as TorchRL collectors give batches) that chain should hold; when
+    it holds along the first axis instead, the batch is most likely
+    ``[T, E]`` (CleanRL, Stable-Baselines3, a rollout stacked step by
+    step). Only looked at on the way to an error.
+
+    Returns:
+        The sentence, or "" when the batch does not look time-first.
+
+    Examples:
+        >>> obs = torch.arange(8.0).reshape(4, 2, 1)  # [T=4, E=2]: obs[t + 1] follows obs[t]
+        >>> leaves = {("obs",): obs, ("next", "obs"): obs + 2}
+        >>> time_first_hint(leaves, (4, 2), [("obs",)])[:35]
+        'This batch looks time-first [T, E]:'
+    """
+    if len(batch_size) != 2 or min(batch_size) < 2 or not obs_keys:
+        return ""
+    key = obs_keys[0]
+    obs, nxt = leaves.get(key), leaves.get(("next", *key))
+    if obs is None or nxt is None or obs.shape != nxt.shape or obs.is_meta:
+        return ""
+    obs, nxt = obs.detach().cpu(), nxt.detach().cpu()
+
+    def chain(a: torch.Tensor, b: torch.Tensor) -> float:
+        same = (a == b).reshape(a.shape[0], a.shape[1], -1).all(-1)
+        return float(same.float().mean())
+
+    along_time = chain(nxt[:, :-1], obs[:, 1:])
+    along_envs = chain(nxt[:-1], obs[1:])
+    if along_envs < 0.5 or along_envs <= along_time:
+        return ""
+    a, b = batch_size
+    return (
+        f"This batch looks time-first [T, E]: its rows continue along the first axis "
+        f"(size {a}), not the last (size {b}), and the filter reads batches as [E, T] "
+        "(time last, as TorchRL collectors give them). Transpose it first "
+        "(batch.transpose(0, 1)), or store it as flat rows with layout='stream_key'. "
+        "If the batch is [E, T] after all:"
+    )

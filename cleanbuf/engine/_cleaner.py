@@ -23,6 +23,7 @@ call when that call's batch comes again (:mod:`cleanbuf.engine._retry`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -31,12 +32,19 @@ from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf.engine import _checks
 from cleanbuf.engine._carry import Carry
-from cleanbuf.engine._errors import CleanbufError
+from cleanbuf.engine._errors import (
+    CleanbufError,
+    ContinuityError,
+    LayoutError,
+    ResetRowError,
+    StateError,
+)
 from cleanbuf.engine._flush import flush_carry
 from cleanbuf.engine._groups import clean_routed, producer_key
 from cleanbuf.engine._kernels import NEED_INIT, PENDING, Selection, plan_rows
+from cleanbuf.engine._keys import observation_keys
 from cleanbuf.engine._move import Views
-from cleanbuf.engine._options import Options
+from cleanbuf.engine._options import LOST_POLICIES, Options
 from cleanbuf.engine._patch import as_td, fix_bookkeeping, move, write_next_obs
 from cleanbuf.engine._pool import BufferPool
 from cleanbuf.engine._read import Call, Reader
@@ -82,7 +90,7 @@ class Cleaner:
     Examples:
         >>> import torch
         >>> from tensordict import TensorDict
-        >>> from cleanbuf.engine._options import Options
+        >>> from cleanbuf.engine._options import LOST_POLICIES, Options
         >>> obs = torch.tensor([[0.0], [1.0], [2.0], [10.0], [11.0]])
         >>> data = TensorDict({
         ...     "observation": obs,
@@ -128,6 +136,9 @@ class Cleaner:
         buffer failed, :mod:`cleanbuf.engine._retry`) is cleaned as if that
         call had not happened: the rows it released come again.
         """
+        if isinstance(td, TensorDictBase) and td.batch_dims and td.batch_size[-1] == 0:
+            # No row ([E, 0], or no env of a step): nothing to clean, nothing changes.
+            return TensorDict({}, batch_size=[0], device=td.device)
         return call_with_retry(self, td, self._call_once)
 
     @property
@@ -138,9 +149,30 @@ class Cleaner:
     def _call_once(self, td: TensorDictBase) -> TensorDictBase:
         """:meth:`_clean` against the carry of the batch's producer (``_groups``)."""
         key = producer_key(self.options, self.many_producers, td)
-        if key is None:
-            return self._clean(td)
-        return clean_routed(self, td, key, self._clean)
+        try:
+            if key is None:
+                return self._clean(td)
+            return clean_routed(self, td, key, self._clean)
+        except (LayoutError, ResetRowError, ContinuityError) as err:
+            hint = self._axis_hint(td)
+            if not hint:
+                raise
+            raise type(err)(f"{hint} {err}") from None
+
+    def _axis_hint(self, td: TensorDictBase) -> str:
+        """:func:`_checks.time_first_hint` for an inferred-layout batch, or "" (never raises)."""
+        if self.options.layout is not None or not isinstance(td, TensorDictBase):
+            return ""
+        try:
+            leaves = dict(td.items(include_nested=True, leaves_only=True))
+            leaves = {k if isinstance(k, tuple) else (k,): v for k, v in leaves.items()}
+            bookkeeping = {k for k in (self.options.is_init_key, self.options.step_count_key) if k}
+            keys, obs_only = observation_keys(leaves, self.options.observation_keys, bookkeeping)
+            if obs_only:
+                return ""
+            return _checks.time_first_hint(leaves, tuple(td.batch_size), keys)
+        except Exception:  # a batch too odd to tell: the error as it was
+            return ""
 
     def _clean(self, td: TensorDictBase) -> TensorDictBase:
         """Cleans one batch against ``self._carry``; commits only on success."""
@@ -173,6 +205,7 @@ class Cleaner:
                 carry.per_stream[NEED_INIT] = 0
             if call.ends is not None:
                 carry.last = call.ends.last
+            carry.obs_schema = call.schema
             self._carry = carry
             self._commit_layout(layout)
         self._stats["rows_in"] += layout.n_rows
@@ -267,6 +300,7 @@ class Cleaner:
         carry.per_stream = plan.per_stream
         if call.ends is not None:
             carry.last = call.ends.last
+        carry.obs_schema = call.schema
         if len(carry.held_stream) or len(sel.hold):
             kept_old = plan.released_src[carry.held_stream] == -1
             carry.held = kept_held(carry.held, kept_old, new_held)
@@ -330,7 +364,29 @@ class Cleaner:
         carry.layout_kind, carry.stream_shape = "stream_key", (len(known) + len(ids),)
         self._carry = carry
 
-    def flush(self) -> TensorDictBase:
+    def last_call_stored(self) -> None:
+        """Says that the last call's rows were stored.
+
+        The same batch again is then written twice (a
+        :class:`~cleanbuf.ContinuityError`), never taken for a retry of a
+        failed write.
+        """
+        if self._undo is not None:
+            self._undo.stored = True
+
+    def undo_last_call(self) -> bool:
+        """Goes back to before the last call, whose rows never reached the buffer.
+
+        The rows that call released are held again, its counters undone.
+        Returns whether there was a call to undo.
+        """
+        if self._undo is None or self._undo.stored:
+            return False
+        last, self._undo = self._undo, None
+        last.restore(self)
+        return True
+
+    def flush(self, on_lost_terminal_obs: str | None = None) -> TensorDictBase:
         """Returns the held rows (flat ``[H]``) and forgets them.
 
         A held row waits for the row after it: the reset row holding its
@@ -346,8 +402,16 @@ class Cleaner:
         producer's held rows, producer after producer.
         """
         self._undo = None  # a flush is no call to repeat
+        options = self.options
+        if on_lost_terminal_obs is not None:
+            if on_lost_terminal_obs not in LOST_POLICIES:
+                raise CleanbufError(
+                    f"on_lost_terminal_obs={on_lost_terminal_obs!r}: expected one of "
+                    f"{LOST_POLICIES}. Nothing was flushed."
+                )
+            options = dataclasses.replace(options, on_lost_terminal_obs=on_lost_terminal_obs)
         carries = self._groups or [self._carry]
-        outs = [flush_carry(self.options, carry, self._stats) for carry in carries]
+        outs = [flush_carry(options, carry, self._stats) for carry in carries]
         outs = [o for o in outs if o.batch_size[0]]
         return torch.cat(outs) if outs else TensorDict({}, batch_size=[0])
 
@@ -361,16 +425,32 @@ class Cleaner:
     def load_state_dict(self, state: dict) -> None:
         """Restores what :meth:`state_dict` returned.
 
+        Everything is checked before anything changes.
+
         Raises:
-            InputError: the state is not a cleanbuf state, or was saved by a
-                cleaner with other options (its held rows and flags would be
-                read under other rules).
+            StateError: the state is not a cleanbuf state, or a field of it
+                is missing or does not agree with the others (named).
+            InputError: the state was saved by a cleaner with other options
+                (its held rows and flags would be read under other rules).
         """
         carry = Carry.from_state_dict(state)
-        _checks.same_options(state.get("options"), self.options)
-        groups = [Carry.from_state_dict(g) for g in state.get("producers", ())]
+        options = state.get("options")
+        if options is not None and not isinstance(options, dict):
+            raise StateError(
+                f"state field 'options': expected a dict, got {type(options).__name__}. "
+                "Pass what state_dict() returned, unchanged."
+            )
+        _checks.same_options(options, self.options)
+        producers = state.get("producers", ())
+        if not isinstance(producers, (list, tuple)):
+            raise StateError(
+                f"state field 'producers': expected a list of states, got "
+                f"{type(producers).__name__}. Pass what state_dict() returned, unchanged."
+            )
+        groups = [Carry.from_state_dict(g) for g in producers]
+        stats = _checked_stats(state.get("stats"), groups or [carry])
         self._carry, self._groups, self._undo = carry, groups, None
-        self._stats = dict.fromkeys(STAT_NAMES, 0) | {k: int(v) for k, v in state["stats"].items()}
+        self._stats = dict.fromkeys(STAT_NAMES, 0) | stats
 
     # ----------------------------------------------------------- helpers
     def _commit_layout(self, layout) -> None:
@@ -379,3 +459,25 @@ class Cleaner:
             old = c.stream_ids if c.stream_ids is not None else np.zeros(0, np.int64)
             c.stream_ids = np.concatenate([old, layout.new_stream_ids])
         c.layout_kind, c.stream_shape = layout.kind, layout.stream_shape
+
+
+def _checked_stats(stats, carries: list) -> dict:
+    """The counters of a state, checked: known names, ints, and the held rows counted."""
+    fix = "Pass what state_dict() returned, unchanged."
+    if not isinstance(stats, dict):
+        raise StateError(
+            f"state field 'stats': expected a dict of counters, got {type(stats).__name__}. {fix}"
+        )
+    for name, value in stats.items():
+        if name not in STAT_NAMES or isinstance(value, bool) or not isinstance(value, int):
+            raise StateError(
+                f"state field 'stats': expected int counters named {list(STAT_NAMES)}, got "
+                f"{name!r}: {value!r}. {fix}"
+            )
+    held = sum(len(c.held_stream) for c in carries)
+    if stats.get("rows_held", 0) != held:
+        raise StateError(
+            f"state field 'stats': expected rows_held={held} (the held rows), got "
+            f"{stats.get('rows_held')!r}. {fix}"
+        )
+    return {k: int(v) for k, v in stats.items()}

@@ -150,9 +150,11 @@ def check(before: LastRows, ends: CallEnds, first_restart: np.ndarray, obs_keys:
         "neither row ends an episode or restarts the stream. Likely causes: batches from "
         "another producer (a MultiAsyncCollector yields its workers' batches in turn: build "
         "the filter with AutoresetFilter.for_env(collector), or give the collector the "
-        "buffer), a batch skipped or written twice, or a reset the rows do not show (add "
-        "InitTracker() to the env). check_continuity=False turns this check off. Nothing "
-        "was written."
+        "buffer), a batch skipped or written twice, or a reset the rows do not show: add "
+        "InitTracker() to a TorchRL env; in a raw loop that calls envs.reset() (all or some "
+        "envs), build that step's rows with cleanbuf.step_rows(..., reset=mask) (True for "
+        "the envs reset), which marks them is_init. check_continuity=False turns this check "
+        "off. Nothing was written."
     )
 
 

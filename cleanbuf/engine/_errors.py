@@ -42,6 +42,13 @@ class ContinuityError(CleanbufError):
     """A call's rows do not continue the streams of the calls before it."""
 
 
+class StateError(CleanbufError):
+    """A state given to ``load_state_dict`` is not a consistent cleanbuf state.
+
+    Raised before anything changes; the message names the field.
+    """
+
+
 class CleanbufWarning(UserWarning):
     """A warning from cleanbuf.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cleanbuf.engine._errors import InputError, key_name
 from cleanbuf.engine._kernels import read_fills
 from cleanbuf.engine._keys import row_flags
 from cleanbuf.engine._move import SMALL_ROW_BYTES, Views
@@ -44,8 +45,19 @@ def row_flags_or_none(rows: Views, key: tuple) -> np.ndarray:
 def reward_rows(options: Options, rows: Views) -> np.ndarray:
     """Per row, nonzero where the reward is not exactly 0 (for the reset-row check)."""
     key = options.reward_key
-    if not options.check_reset_rows or key is None or key not in rows.tensors:
+    if not options.check_reset_rows or key is None or options.mode != "next_step":
         return NONE
+    if key not in rows.tensors:
+        found = [k for k in rows.tensors if "reward" in str(k[-1])]
+        raise InputError(
+            f"reward key {key_name(key)} is missing from the batch (reward-like keys found: "
+            f"{found or 'none'}); the reset-row check reads it: a row after a done row must "
+            "have reward 0 to be dropped as a reset row, and without it data in the wrong "
+            "mode (already clean, or same-step) would lose real rows. Fix: pass "
+            "reward_key= naming the reward (for example reward_key=('reward',)), or "
+            "check_reset_rows=False to drop every row after a done row unchecked. "
+            "Nothing was written."
+        )
     n = rows.n_rows
     a = rows[key]
     if a is not None and a.size == n and a.dtype.kind != "c":

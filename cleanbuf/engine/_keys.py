@@ -43,7 +43,7 @@ def batch_leaves(td: TensorDictBase) -> dict:
     """
     leaves: dict = {}
     if _walk(td, (), leaves):
-        return leaves
+        return _plain(leaves)
     # Lazy stacks, non-tensor leaves: TensorDict's own (slower) iterator, which
     # yields non-tensor data too (by default it skips it: rows would be lost).
     leaves = {}
@@ -56,6 +56,26 @@ def batch_leaves(td: TensorDictBase) -> dict:
                 "(data.exclude(key)) or store it as a tensor."
             )
         leaves[key] = value
+    return _plain(leaves)
+
+
+def _plain(leaves: dict) -> dict:
+    """``leaves`` as data: without autograd history, and refused where there is no data.
+
+    Rows in a replay buffer are data: a leaf that requires grad (a policy
+    output written without ``torch.no_grad()``) is stored detached, as
+    TorchRL's collectors store it; the graph is not kept alive by held rows.
+    A leaf on the ``meta`` device holds no values to clean.
+    """
+    for key, value in leaves.items():
+        if value.requires_grad:
+            leaves[key] = value.detach()
+        if value.is_meta:
+            raise InputError(
+                f"key {key_name(key)} is on device 'meta' (shapes without data); expected "
+                "a tensor with values (cpu or cuda). Fix: materialise the batch "
+                "(data.to('cpu') after filling it) before the filter."
+            )
     return leaves
 
 
@@ -123,7 +143,10 @@ def done_flags(rows: Views, done_key: tuple | None) -> np.ndarray:
     """
     leaves = rows.tensors
     if done_key is None and DONE_KEYS[0] in leaves:  # the common case, first
-        return row_flags("done", DONE_KEYS[0], rows)
+        done = row_flags("done", DONE_KEYS[0], rows)
+        if DONE_KEYS[1] in leaves or DONE_KEYS[2] in leaves:
+            _check_done_agrees(done, rows)
+        return done
     keys = [done_key] if done_key is not None else [k for k in DONE_KEYS[1:] if k in leaves]
     missing = [k for k in keys if k not in leaves]
     if not keys or missing:
@@ -138,6 +161,32 @@ def done_flags(rows: Views, done_key: tuple | None) -> np.ndarray:
         value = row_flags("done", key, rows)
         flag = value if flag is None else flag | value
     return flag
+
+
+def _check_done_agrees(done: np.ndarray, rows: Views) -> None:
+    """Raises unless ``("next", "done")`` is ``terminated | truncated`` on every row.
+
+    With only one of the two present: done wherever it is set. (TorchRL
+    envs keep ``done == terminated | truncated``; an end that ``done``
+    misses would keep its reset row as a transition.)
+    """
+    parts = [k for k in DONE_KEYS[1:] if k in rows.tensors]
+    ends = None
+    for key in parts:
+        flags = row_flags(key[-1], key, rows)
+        ends = flags if ends is None else ends | flags
+    bad = ends != done if len(parts) == 2 else ends & ~done
+    if not np.count_nonzero(bad):
+        return
+    row = int(np.flatnonzero(bad)[0])
+    names = " | ".join(key_name(k) for k in parts)
+    raise InputError(
+        f"('next', 'done') must agree with {names}: expected done={bool(ends[row])} on row "
+        f"{row} ({int(np.count_nonzero(bad))} row(s) disagree), got done={bool(done[row])}. "
+        f"Fix: data.set(('next', 'done'), {names}) before the filter (TorchRL envs keep "
+        "done == terminated | truncated), or pass done_key= naming the key that marks "
+        "episode ends. Nothing was written."
+    )
 
 
 def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> tuple[list, bool]:
@@ -215,10 +264,14 @@ def check_same_layout(leaves: dict, key: tuple, other: tuple) -> None:
     """
     a, b = leaves[key], leaves[other]
     if a.shape != b.shape or a.dtype != b.dtype:
+        what = "dtype" if a.shape == b.shape else "shape"
         raise InputError(
-            f"observation key {key_name(key)} has shape {list(a.shape)} and dtype {a.dtype} "
-            f"but {key_name(other)} has shape {list(b.shape)} and dtype {b.dtype}; both must "
-            "match for the next observation to be re-stitched."
+            f"{key_name(other)} must have the shape and dtype of observation key "
+            f"{key_name(key)}: expected shape {list(a.shape)} and dtype {a.dtype}, got shape "
+            f"{list(b.shape)} and dtype {b.dtype} (the {what} differs). A next observation is "
+            f"the same kind of value as an observation: fix the producer, or cast before the "
+            f"filter (data.set({other!r}, data.get({other!r}).to({a.dtype}))) where only the "
+            "dtype differs. Nothing was written."
         )
 
 

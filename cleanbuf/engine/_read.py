@@ -71,6 +71,7 @@ class Call:
     restart: np.ndarray = dataclasses.field(default_factory=lambda: NONE)
     ends: CallEnds | None = None  # time-aligned full transitions only
     rules: Rules | None = None
+    schema: dict = dataclasses.field(default_factory=dict)  # obs key -> (dtype, feature shape)
     as_is: bool = True  # nothing to clean: the rows pass through as views
 
     def kernel_flags(self, options: Options) -> dict:
@@ -152,6 +153,10 @@ class Reader:
         if opts.mode == "disabled":
             return call
         call.obs_keys, call.obs_only = self._observation_keys(leaves)
+        dims = td.batch_dims
+        call.schema = {k: (leaves[k].dtype, leaves[k].shape[dims:]) for k in call.obs_keys}
+        if carry.obs_schema and not carry.is_blank():
+            _checks.same_observations(carry.obs_schema, call.schema)
         if opts.mode == "same_step":
             call.final_of, call.final_present, entry_keys = final_entries(
                 leaves, opts.final_obs_key, call.obs_keys, layout.n_rows, td.batch_dims
@@ -217,8 +222,9 @@ class Reader:
     def _observation_keys(self, leaves: dict) -> tuple[list, bool]:
         """The observation keys, discovered once per key set.
 
-        :func:`observation_keys`; the shapes and dtypes are checked on every
-        call.
+        :func:`observation_keys`; each key's pairing with its next
+        observation (shape and dtype) is checked on every call, the first
+        included.
         """
         key = tuple(leaves)
         found = self._obs_keys.get(key)
@@ -228,7 +234,7 @@ class Reader:
             found = observation_keys(leaves, opts.observation_keys, bookkeeping)
             if len(self._obs_keys) < _CACHE_SIZE:
                 self._obs_keys[key] = found
-        elif not found[1]:
+        if not found[1]:
             for k in found[0]:
                 check_same_layout(leaves, k, ("next", *k))
         return found

@@ -12,8 +12,11 @@ The batch is recognised by the first row of each stream: its observation,
 and its trajectory id where the rows have TorchRL's
 ``("collector", "traj_ids")`` (read with the stream ends,
 :func:`cleanbuf.engine._continuity.read_ends`). With trajectory ids it is
-checked on every call. An id alone is not enough: a stream keeps its id for
-a whole episode, so two batches in a row start with the same ids whenever
+checked on every call. Where the filter sees that the last call's rows
+reached the buffer (:meth:`Cleaner.last_call_stored`), the same batch
+again is a duplicate and raises :class:`~cleanbuf.ContinuityError`. An
+id alone is not enough: a stream keeps its id for a whole episode, so two
+batches in a row start with the same ids whenever
 no episode ended between their starts (every batch of a 200-step Pendulum
 episode collected 8 steps at a time). The observation tells them apart: the
 next batch starts where the last one ended. Only an env whose observation
@@ -30,7 +33,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from cleanbuf.engine._errors import CleanbufError
+from cleanbuf.engine._errors import CleanbufError, ContinuityError
 
 
 class SameBatchAgain(Exception):
@@ -62,6 +65,7 @@ class Undo:
     groups: list
     stats: dict
     fingerprint: Fingerprint | None = None
+    stored: bool = False  # the call's rows reached the buffer: the batch again is a duplicate
 
     @classmethod
     def of(cls, cleaner) -> Undo:
@@ -97,6 +101,8 @@ def call_with_retry(cleaner, td: Any, call: Callable) -> Any:
         )
         if not again:
             raise
+        if cleaner._undo.stored:
+            _refuse_stored_again(cleaner, td, call, undo, err)
         last, cleaner._undo = cleaner._undo, None
         last.restore(cleaner)
         retry = Undo.of(cleaner)
@@ -112,3 +118,39 @@ def call_with_retry(cleaner, td: Any, call: Callable) -> Any:
     undo.fingerprint = cleaner._fingerprint
     cleaner._undo = undo
     return out
+
+
+def _refuse_stored_again(cleaner, td: Any, call: Callable, undo: Undo, err: Exception) -> None:
+    """Raises for a call that looks like the last one again, whose rows were stored.
+
+    The first rows alone may match another batch (a fresh start of every
+    stream looks the same each time): it is the same batch if it cleans
+    from where the last call started. Either way the cleaner is left as
+    it was.
+    """
+    last, cleaner._undo = cleaner._undo, None
+    last.restore(cleaner)
+    try:
+        call(td)
+    except (SameBatchAgain, CleanbufError):
+        same = False
+    else:
+        same = True
+    undo.restore(cleaner)
+    cleaner._undo = last
+    if same:
+        raise written_twice() from None
+    if isinstance(err, SameBatchAgain):
+        raise written_twice() from None
+    raise err
+
+
+def written_twice() -> ContinuityError:
+    """The error for a batch that comes again after its rows were stored."""
+    return ContinuityError(
+        "this batch is the one the last call cleaned (the same first row in every stream), "
+        "and that call's rows were stored: it was written twice. Expected the next batch of "
+        "each stream, got the last one again. Write each batch once (a batch whose write "
+        "into the buffer failed may be written again; this one's write succeeded). Nothing "
+        "was written."
+    )

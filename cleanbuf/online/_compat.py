@@ -62,3 +62,44 @@ def collector_compact_next_keys(collector: Any) -> list:
     user then declares ``observation_keys``).
     """
     return list(getattr(collector, "_compact_next_keys", ()))
+
+
+def writer_slot(rb: Any) -> tuple[int, int] | None:
+    """Where ``rb``'s next ``extend`` writes: ``(cursor, capacity)``, or None if unknown.
+
+    TorchRL's round-robin writers keep the next slot in ``writer._cursor``
+    and write ``n`` rows at ``cursor, cursor + 1, ...`` modulo the capacity
+    (``storage.max_size``). None for any other writer, a buffer that
+    writes into consumed slots (``_is_consuming``), or where the names are
+    gone.
+    """
+    from torchrl.data.replay_buffers.writers import RoundRobinWriter
+
+    writer = getattr(rb, "_writer", None)
+    if type(writer).__name__ not in ("RoundRobinWriter", "TensorDictRoundRobinWriter"):
+        return None
+    if not isinstance(writer, RoundRobinWriter):
+        return None
+    consuming = getattr(rb, "_is_consuming", None)
+    try:
+        if consuming is not None and consuming():
+            return None
+        cursor, capacity = int(writer._cursor), int(rb.storage.max_size)
+    except Exception:  # a storage without a capacity, a writer without a cursor
+        return None
+    return (cursor, capacity) if capacity > 0 else None
+
+
+def storage_rows(storage: Any, slots: Any) -> Any:
+    """The rows a storage holds at ``slots``, written or not as far as its length says.
+
+    TorchRL's ``storage.get`` stops at ``len(storage)``, which counts the
+    rows written, not the slots: after a failed write the writer's cursor
+    has moved past slots that ``len`` does not count, and later rows sit
+    beyond it. A tensor storage keeps every slot in ``storage._storage``;
+    elsewhere ``storage.get``.
+    """
+    raw = getattr(storage, "_storage", None)
+    if getattr(storage, "initialized", False) and hasattr(raw, "batch_size"):
+        return raw[slots]
+    return storage.get(slots)

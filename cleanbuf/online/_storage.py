@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tensordict import TensorDictBase
 
 from cleanbuf.engine._errors import LayoutError
 from cleanbuf.engine._keys import TRAJ_IDS
-from cleanbuf.online._compat import calling_replay_buffer
 
 
 def is_storage_init(td: TensorDictBase) -> bool:
@@ -21,7 +22,7 @@ def is_storage_init(td: TensorDictBase) -> bool:
     return not any(v.any() for v in td.values(True, True))
 
 
-def check_storage() -> None:
+def check_storage(rb: Any = None) -> None:
     """Refuses a buffer that cannot take the filter's rows.
 
     The filter's output is flat rows, which TorchRL cannot write into a
@@ -32,13 +33,16 @@ def check_storage() -> None:
     is the one whose ``extend`` / ``add`` runs the caller (none: nothing
     to check).
 
+    Args:
+        rb: the buffer (:func:`~cleanbuf.online._compat.calling_replay_buffer`),
+            or None.
+
     Raises:
         LayoutError: the buffer cannot take flat rows of varying number.
 
     Examples:
         >>> check_storage()  # no buffer calling: nothing to refuse
     """
-    rb = calling_replay_buffer()
     if getattr(rb, "_distributed_service", None) is not None:
         raise LayoutError(
             "this RayReplayBuffer uses transport='distributed', which fixes the size of "

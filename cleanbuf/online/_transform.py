@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
+import weakref
+from collections.abc import Mapping
 from typing import Any
 
 from tensordict import TensorDictBase
 from torchrl.envs.transforms import Transform
 
 from cleanbuf.engine._cleaner import Cleaner
+from cleanbuf.engine._errors import CleanbufError, CleanbufWarning, InputError, StateError
 from cleanbuf.engine._options import Options
-from cleanbuf.online import _publish
+from cleanbuf.online import _publish, _writes
+from cleanbuf.online._compat import calling_replay_buffer
 from cleanbuf.online._copies import CopyStates
 from cleanbuf.online._losses import LOST_KEY, LostObservations
 from cleanbuf.online._producers import options_for_env
@@ -86,9 +91,11 @@ class AutoresetFilter(Transform):
     (``is_init``, or ``step_count`` 0: a collector reset between batches,
     which ends the interrupted episode there). Another producer's batch, a
     skipped batch or an unnoticed reset raises
-    :class:`~cleanbuf.ContinuityError`. A batch written again right after its
-    write failed is taken as a retry: its rows (and the held rows its call
-    released) are delivered again.
+    :class:`~cleanbuf.ContinuityError`. Before each call the filter reads
+    from the buffer whether the last call's rows arrived: a batch written
+    again after its write failed is a retry (its rows, and the held rows
+    its call released, are delivered again), one written again after its
+    write succeeded is a duplicate (``ContinuityError``).
 
     **Batch-end marks.** ``Collector(set_truncated=True)`` marks every
     batch's last step done and truncated. Such a row (done, truncated, not
@@ -128,8 +135,10 @@ class AutoresetFilter(Transform):
     flavour, or a reward transform that moves 0: ``check_reset_rows=False``).
     A lost terminal observation is NaN by default (floating observations),
     counted in ``stats["terminal_obs_missing"]``; integer observations need an
-    explicit ``on_lost_terminal_obs``. Any error leaves the filter's state
-    and the buffer unchanged.
+    explicit ``on_lost_terminal_obs`` (at the end, also
+    ``flush(rb, on_lost_terminal_obs=...)``). Any error leaves the filter's
+    state and the buffer unchanged. A filter collected while it holds rows
+    (a forgotten :meth:`flush`) warns, and its repr shows them.
 
     Args:
         mode: "next_step", "same_step", "disabled" (validate and pass
@@ -208,6 +217,8 @@ class AutoresetFilter(Transform):
         self._storage_checked = False  # the buffer's storage takes flat rows (checked once)
         self._losses = LostObservations()  # NaN next observations written by default
         self._in_ray_actor: bool | None = None  # whether it runs in a Ray actor (first call)
+        self._buffer = None  # weak reference to the buffer whose extend calls it (first call)
+        self._last_write: _writes.LastWrite | None = None  # the last call's rows, on their way
 
     @classmethod
     def for_env(cls, env: Any, **overrides: Any) -> AutoresetFilter:
@@ -271,6 +282,7 @@ class AutoresetFilter(Transform):
                 default), with their summed count.
         """
         if self._copies is None:
+            self._settle_write()
             return self._cleaner.stats
         states = self._copies.load()
         self._losses.after_copies(states, stacklevel=2)
@@ -298,20 +310,31 @@ class AutoresetFilter(Transform):
     def __getstate__(self) -> dict:
         # Pickled while Ray runs: for a Ray actor, which publishes its state.
         self._copies = _publish.for_ray(self._copies, self._state())
-        return super().__getstate__()
+        state = super().__getstate__()
+        state["_buffer"] = state["_last_write"] = None  # weak references stay here
+        return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._in_ray_actor = None  # where it runs is read at its first call
 
-    def flush(self, rb: Any = None) -> TensorDictBase | None:
+    def flush(
+        self, rb: Any = None, *, on_lost_terminal_obs: str | None = None
+    ) -> TensorDictBase | None:
         """Releases the held rows, at the end of collection.
 
         ``filt.flush(rb)`` writes them into ``rb`` (bypassing this filter,
         so they are stored exactly once); ``filt.flush()`` returns them.
+        A held row whose next observation will not come (its reset row or
+        successor never arrived) follows the lost-observation policy;
+        ``on_lost_terminal_obs`` chooses it for this flush (integer
+        observations, which NaN cannot mark, need "drop" or "keep" here
+        when the filter was built without one).
 
         Args:
             rb: a replay buffer, or None.
+            on_lost_terminal_obs: "nan", "drop", "raise" or "keep" for
+                this flush; None uses the filter's option.
 
         Returns:
             The held rows (flat), or None when written to ``rb``.
@@ -319,6 +342,7 @@ class AutoresetFilter(Transform):
         Warns:
             CleanbufWarning: as :attr:`stats` does, before the flush.
         """
+        self._settle_write()
         if self._copies is not None:  # what the copies lost, before the flush marks more
             self._losses.after_copies(self._copies.load(), stacklevel=2)
         if rb is not None and is_ray_buffer(rb) and flush_buffer_actor(rb, type(self)):
@@ -332,9 +356,9 @@ class AutoresetFilter(Transform):
             rows, self._cleaner = _publish.flush_copies(self._copies, self.options, write)
             return None if rb is not None else rows
         if rb is None:
-            return self._cleaner.flush()
+            return self._cleaner.flush(on_lost_terminal_obs)
         state = self._cleaner.state_dict()
-        rows = self._cleaner.flush()
+        rows = self._cleaner.flush(on_lost_terminal_obs)
         if rows.batch_size[0] == 0:
             return None
         try:
@@ -366,8 +390,19 @@ class AutoresetFilter(Transform):
                 "AutoresetFilter is a replay-buffer transform: put it in "
                 "ReplayBuffer(transform=...), not in an environment."
             )
+        if not isinstance(tensordict, TensorDictBase):
+            what = "a dict" if isinstance(tensordict, Mapping) else type(tensordict).__name__
+            raise InputError(
+                f"AutoresetFilter cleans TensorDict batches; got {what}. Expected what a "
+                "TorchRL collector yields (a TensorDict [E, T]). Fix: wrap it "
+                "(tensordict.TensorDict(data, batch_size=[E, T])), or use "
+                "cleanbuf.clean(data) for dicts of arrays and RolloutRepair for on-policy "
+                "rollouts. Nothing was written."
+            )
         if not self._storage_checked:
-            check_storage()
+            rb = calling_replay_buffer()
+            check_storage(rb)
+            self._buffer = None if rb is None else weakref.ref(rb)
             self._storage_checked = True  # once per process: a frame walk is not free
         if self._in_ray_actor is None:
             self._in_ray_actor = in_ray_actor()
@@ -376,14 +411,54 @@ class AutoresetFilter(Transform):
             # Shaped as the filter's rows, so the storage is laid out for them;
             # TorchRL empties the buffer right after: nothing is counted or kept.
             return Cleaner(self.options)(tensordict)
+        failed = self._settle_write()
+        rb = None if self._buffer is None else self._buffer()
+        slot = _writes.slot_before(rb) if self._tracks_writes() else None
         counting = self._losses.counting(self.options)
         lost = self._cleaner.count("terminal_obs_missing") if counting else 0
-        out = self._cleaner(tensordict)
+        try:
+            out = self._cleaner(tensordict)
+        except CleanbufError as err:
+            if not failed:
+                raise
+            raise type(err)(
+                "The write of the previous batch into the buffer failed, so its rows (and "
+                "the held rows its call released) are not stored; the filter is back to "
+                f"before that batch: write it again before this one. {err}"
+            ) from None
+        if slot is not None:
+            self._last_write = _writes.record(rb, slot, out)
+        if self._tracks_writes() and self._last_write is None:
+            self._cleaner.last_call_stored()  # nothing to write, or no buffer: no retry
         if counting:
             self._losses.after_call(self._cleaner.count("terminal_obs_missing") - lost)
         if self._copies is not None:
             self._publish()
         return out
+
+    def _tracks_writes(self) -> bool:
+        """Whether this filter tells its calls' writes apart (:mod:`cleanbuf.online._writes`).
+
+        One filter in one process; copies in workers and Ray actors keep
+        the cleaner's own retry rule.
+        """
+        return self._copies is None and not self._in_ray_actor
+
+    def _settle_write(self) -> bool:
+        """Reads whether the last call's rows reached the buffer; True if they did not.
+
+        Stored: a batch written again is a duplicate. Not stored: the
+        cleaner goes back to before that call.
+        """
+        last, self._last_write = self._last_write, None
+        if last is None:
+            return False
+        stored = last.stored()
+        if stored:
+            self._cleaner.last_call_stored()
+        elif stored is False:
+            return self._cleaner.undo_last_call()
+        return False
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Cleans a batch when the filter is a collector's ``postproc``.
@@ -417,6 +492,7 @@ class AutoresetFilter(Transform):
         return next_tensordict
 
     def get_extra_state(self) -> dict:
+        self._settle_write()
         state = self._cleaner.state_dict()
         if self._copies is not None:  # every other copy's state too
             self._publish()
@@ -424,6 +500,11 @@ class AutoresetFilter(Transform):
         return state
 
     def set_extra_state(self, state: dict) -> None:
+        if not isinstance(state, dict):
+            raise StateError(
+                f"state: expected the dict AutoresetFilter.state_dict() returned, got "
+                f"{type(state).__name__}. Pass what state_dict() returned, unchanged."
+            )
         others = state.get("copies", [])
         _publish.check_states(others, self.options)
         self._cleaner.load_state_dict(state)
@@ -445,4 +526,23 @@ class AutoresetFilter(Transform):
         origin = getattr(self, "_origin", None)
         if origin:
             parts.append(f"from={origin!r}")
+        held = self._cleaner.count("rows_held")
+        if held:
+            parts.append(f"rows_held={held} (not stored until flush(rb))")
         return f"{type(self).__name__}({', '.join(parts)})"
+
+    def __del__(self) -> None:
+        # A forgotten flush(rb) loses the held rows: say so when the filter goes.
+        # (Copies in worker processes and Ray actors are flushed by the parent.)
+        try:
+            held = self._cleaner.count("rows_held") if self._copies is None else 0
+            if held:
+                warnings.warn(
+                    f"an AutoresetFilter was garbage-collected while holding {held} row(s) "
+                    "that were never stored (each waits for the row after it). Call "
+                    "filt.flush(rb) at the end of collection to store them.",
+                    CleanbufWarning,
+                    stacklevel=2,
+                )
+        except Exception:  # interpreter shutdown, a half-built filter: nothing to say
+            pass
