@@ -38,7 +38,7 @@ from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._compat import new_tensordict
 from cleanbuf.engine._errors import LayoutError
 from cleanbuf.engine._kernels import RELEASED_AS_IS, RELEASED_LOST
-from cleanbuf.engine._keys import DONE_KEYS, observation_keys
+from cleanbuf.engine._keys import DONE_KEYS, done_flags, observation_keys
 from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._patch import fill_rows, fix_bookkeeping, set_rows
@@ -142,8 +142,7 @@ class Rollouts:
         n = call.layout.n_rows
         rows = _Rows({k: call.views.flat(k).clone() for k in call.moved}, np.zeros(n, np.int8))
         if call.carry is None:  # disabled mode: nothing to repair
-            done = {"episodes_completed": np.count_nonzero(call.done)}
-            return self._emit(td, rows, hold=False, counts=done)
+            return self._emit(td, rows, hold=False, counts={})
         call.rules = call.rules._replace(drop_lost=False)  # lost rows are masked, not gone
         plan = cleaner._plan(call)
         counts = self._patch(call, plan, rows)
@@ -156,7 +155,6 @@ class Rollouts:
                         for k, v in call.moved.items()}  # fmt: skip
         cleaner._commit(call, plan, new_held)  # nothing raises from here on
         self._held = held
-        counts["episodes_completed"] = plan.n_done
         return self._emit(td, rows, hold=call.rules.hold_done, counts=counts)
 
     # ----------------------------------------------------------- the patches
@@ -271,12 +269,20 @@ class Rollouts:
         s["rows_in"] += n_streams * td.batch_size[-1]
         for k, v in counts.items():
             s[k] += int(v)
-        self._count_out(out.kind)
+        self._count_out(out)
         s["rows_held"] = 0 if new_held is None else len(new_held.kind)
         return self._as_batch(out, td.device, steps)
 
-    def _count_out(self, kind: np.ndarray) -> None:
-        s = self._stats
+    def _count_out(self, rows: _Rows) -> None:
+        """Counts the rows returned, by kind, and the episode ends among them.
+
+        An episode end is a returned done row that is no reset row: a
+        collector's batch-end mark counts once it is returned done (one
+        decided as no end is returned not done), as the filter counts it.
+        """
+        s, kind = self._stats, rows.kind
+        ends = done_flags(rows.views, self.options.done_key) & (kind != RESET)
+        s["episodes_completed"] += int(np.count_nonzero(ends))
         s["rows_out"] += int(np.count_nonzero(kind == VALID))
         s["reset_rows_masked"] += int(np.count_nonzero(kind == RESET))
         s["lost_rows_masked"] += int(np.count_nonzero(kind == LOST))
@@ -326,7 +332,7 @@ class Rollouts:
             self._lost(held, streams, keys, policy)
             self._stats["terminal_obs_missing"] += len(streams)
         held, self._held = self._held, None
-        self._count_out(held.kind)
+        self._count_out(held)
         self._stats["rows_held"] = 0
         return self._as_batch(held, None, 1)
 
