@@ -135,8 +135,16 @@ class Rollouts:
         return self.cleaner.options
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        """Repairs one batch ``[*E, T]``; returns ``[*E, T']`` (see the module)."""
+        """Repairs one batch ``[*E, T]``; returns ``[*E, T']`` (see the module).
+
+        A batch without steps (``[*E, 0]``) changes nothing and comes back as
+        it is, with an empty mask.
+        """
         self._check_shape(td)
+        if isinstance(td, TensorDictBase) and td.batch_dims and td.batch_size[-1] == 0:
+            out = td.clone()
+            out.set(self.mask_key, torch.zeros(td.batch_size, dtype=torch.bool, device=td.device))
+            return out
         cleaner = self.cleaner
         call = cleaner._read(td)
         n = call.layout.n_rows
