@@ -80,6 +80,24 @@ def test_program_runs_as_pasted(page, program, tmp_path):
         f"{page.name}: exit status {status}\n--- program ---\n{program}"
         f"--- stdout ---\n{done.stdout[-4000:]}\n--- stderr ---\n{done.stderr[-8000:]}"
     )
+    if page.name == "ray.md":
+        _assert_quiet(done)
+
+
+def _assert_quiet(done: subprocess.CompletedProcess) -> None:
+    """The Ray guide's program prints its result, and cleanbuf's loss warning if any.
+
+    Bugs caught: the result buried in Ray's and TorchRL's noise (about 60
+    lines: Ray's start-up, TorchRL's INFO lines, the actors' reprs), and a
+    quieting that also hides the warning that terminal observations were
+    lost (cleanbuf reports the actors' losses in the driver).
+    """
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    lost = re.search(r"'terminal_obs_missing': (\d+)", done.stdout)
+    assert lost is not None, f"no stats printed:\n{done.stdout}"
+    warned = "CleanbufWarning" in done.stderr
+    assert warned == (int(lost.group(1)) > 0), f"loss warning {warned}, stats:\n{done.stdout}"
+    assert len(lines) <= 3, "the program prints more than its result:\n" + "\n".join(lines)
 
 
 def test_fences_are_tagged_and_programs_found():

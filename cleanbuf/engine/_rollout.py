@@ -136,15 +136,22 @@ class Rollouts:
         return self.cleaner.options
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        """Repairs one batch ``[*E, T]``; returns ``[*E, T']`` (see the module)."""
+        """Repairs one batch ``[*E, T]``; returns ``[*E, T']`` (see the module).
+
+        A batch without steps (``[*E, 0]``) changes nothing and comes back as
+        it is, with an empty mask.
+        """
         self._check_shape(td)
+        if isinstance(td, TensorDictBase) and td.batch_dims and td.batch_size[-1] == 0:
+            out = td.clone()
+            out.set(self.mask_key, torch.zeros(td.batch_size, dtype=torch.bool, device=td.device))
+            return out
         cleaner = self.cleaner
         call = cleaner._read(td)
         n = call.layout.n_rows
         rows = _Rows({k: call.views.flat(k).clone() for k in call.moved}, np.zeros(n, np.int8))
         if call.carry is None:  # disabled mode: nothing to repair
-            done = {"episodes_completed": np.count_nonzero(call.done)}
-            return self._emit(td, rows, hold=False, counts=done)
+            return self._emit(td, rows, hold=False, counts={})
         call.rules = call.rules._replace(drop_lost=False)  # lost rows are masked, not gone
         plan = cleaner._plan(call)
         counts = self._patch(call, plan, rows)
@@ -157,7 +164,6 @@ class Rollouts:
                         for k, v in call.moved.items()}  # fmt: skip
         cleaner._commit(call, plan, new_held)  # nothing raises from here on
         self._held = held
-        counts["episodes_completed"] = plan.n_done
         return self._emit(td, rows, hold=call.rules.hold_done, counts=counts)
 
     # ----------------------------------------------------------- the patches
@@ -272,12 +278,20 @@ class Rollouts:
         s["rows_in"] += n_streams * td.batch_size[-1]
         for k, v in counts.items():
             s[k] += int(v)
-        self._count_out(out.kind)
+        self._count_out(out)
         s["rows_held"] = 0 if new_held is None else len(new_held.kind)
         return self._as_batch(out, td.device, steps)
 
-    def _count_out(self, kind: np.ndarray) -> None:
-        s = self._stats
+    def _count_out(self, rows: _Rows) -> None:
+        """Counts the rows returned, by kind, and the episode ends among them.
+
+        An episode end is a returned done row that is no reset row: a
+        collector's batch-end mark counts once it is returned done (one
+        decided as no end is returned not done), as the filter counts it.
+        """
+        s, kind = self._stats, rows.kind
+        ends = done_flags(rows.views, self.options.done_key) & (kind != RESET)
+        s["episodes_completed"] += int(np.count_nonzero(ends))
         s["rows_out"] += int(np.count_nonzero(kind == VALID))
         s["reset_rows_masked"] += int(np.count_nonzero(kind == RESET))
         s["lost_rows_masked"] += int(np.count_nonzero(kind == LOST))
@@ -333,7 +347,7 @@ class Rollouts:
             self._lost(held, lost, keys, policy)
             self._stats["terminal_obs_missing"] += len(lost)
         held, self._held = self._held, None
-        self._count_out(held.kind)
+        self._count_out(held)
         self._stats["rows_held"] = 0
         return self._as_batch(held, None, 1)
 

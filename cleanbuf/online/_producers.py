@@ -36,6 +36,33 @@ def _is_gym_vector(env: Any) -> bool:
     return isinstance(env, gymnasium.vector.VectorEnv)
 
 
+def _single_gym_env(env: Any) -> Reading | None:
+    """The options for a single (non-vector) Gymnasium env, or None if ``env`` is none.
+
+    A single env resets only when the loop calls ``reset()``: its data is
+    clean as collected, unless a wrapper resets it on its own
+    (``gymnasium.wrappers.Autoreset``: the step after an episode end
+    resets, next-step style).
+    """
+    try:
+        import gymnasium
+    except ImportError:
+        return None
+    if not isinstance(env, gymnasium.Env):
+        return None
+    inner = env
+    while inner is not None:
+        if isinstance(inner, gymnasium.wrappers.Autoreset):
+            why = f"single Gymnasium env {env} (auto-resets next-step, one row per step)"
+            return Reading({"mode": "next_step", "layout": "step"}, why)
+        inner = getattr(inner, "env", None) if isinstance(inner, gymnasium.Wrapper) else None
+    why = (
+        f"single Gymnasium env {env}: it resets only when the loop calls reset(), so its "
+        "data needs no cleaning (passed through, checked)"
+    )
+    return Reading({"mode": "disabled", "layout": "step"}, why)
+
+
 def _is_sb3_vec_env(env: Any) -> bool:
     return any(
         c.__module__.startswith("stable_baselines3") and c.__name__ == "VecEnv"
@@ -261,14 +288,14 @@ def options_for_env(env: Any) -> Reading:
     """Returns the filter options that fit ``env``, with a short reason.
 
     Args:
-        env: a TorchRL env or collector, a Gymnasium ``VectorEnv``, a
-            Stable-Baselines3 ``VecEnv`` or an EnvPool env.
+        env: a TorchRL env or collector, a Gymnasium ``VectorEnv`` or
+            single env, a Stable-Baselines3 ``VecEnv`` or an EnvPool env.
 
     Returns:
         The options, the reason, and what to warn the user of.
 
     Raises:
-        CleanbufError: unknown producer.
+        CleanbufError: unknown producer, or an env id (a str) instead of an env.
 
     Examples:
         >>> import gymnasium as gym
@@ -291,6 +318,17 @@ def options_for_env(env: Any) -> Reading:
     if _is_gym_vector(env):
         mode = _gym_mode(env)
         return Reading({"mode": mode, "layout": "step"}, f"Gymnasium {type(env).__name__} ({mode})")
+    single = _single_gym_env(env)
+    if single is not None:
+        return single
+    if isinstance(env, str):
+        raise CleanbufError(
+            f"for_env takes the env the data comes from, not its id ({env!r}): how it "
+            "auto-resets depends on how it is built. Pass the env itself: "
+            f"gymnasium.make_vec({env!r}, num_envs=N), TorchRL GymEnv({env!r}, num_envs=N), "
+            "a collector... A single env (gymnasium.make, GymEnv without num_envs) resets "
+            "only when you call reset() and needs no cleaning."
+        )
     raise CleanbufError(
         f"cannot tell how {type(env).__name__} (module {module}) auto-resets. Build the "
         "filter with an explicit mode: AutoresetFilter('next_step' | 'same_step' | "

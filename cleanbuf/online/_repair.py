@@ -10,8 +10,15 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from cleanbuf.engine._errors import CleanbufError, CleanbufWarning, InputError, LayoutError
-from cleanbuf.engine._keys import DONE_KEYS
+from cleanbuf.engine._errors import (
+    CleanbufError,
+    CleanbufWarning,
+    ContinuityError,
+    InputError,
+    LayoutError,
+    ResetRowError,
+)
+from cleanbuf.engine._keys import DONE_KEYS, observation_keys
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._rollout import MASK_KEY, Rollouts
 
@@ -109,8 +116,8 @@ class RolloutRepair:
             ``terminal_obs_in_done_row``, ``check_reset_rows``,
             ``observation_keys``, ``done_key``, ``reward_key``,
             ``is_init_key``, ``step_count_key``, ``final_obs_key``,
-            ``keep_final_obs``, ``set_truncated``, ``check_continuity``),
-            with the same meaning.
+            ``keep_final_obs``, ``check_continuity``), with the same
+            meaning.
 
     Examples:
         >>> import torch
@@ -175,10 +182,17 @@ class RolloutRepair:
         Reads the producer as :meth:`cleanbuf.AutoresetFilter.for_env` does
         (TorchRL ``GymEnv`` / ``GymWrapper`` and their transformed, serial
         and parallel forms, a TorchRL ``Collector``, a Gymnasium
-        ``VectorEnv``, a Stable-Baselines3 ``VecEnv``, an EnvPool env: raw
-        loops, whose rollouts are taken as stored time first, ``[T, E]``). A
-        multi-process or Ray collector is refused: repair each worker's
-        batches, or use :class:`cleanbuf.AutoresetFilter`.
+        ``VectorEnv`` or single env, a Stable-Baselines3 ``VecEnv``, an
+        EnvPool env: raw loops, whose rollouts are taken as stored time
+        first, ``[T, E]``). A ``MultiSyncCollector``'s batches ``[W, E, T]``
+        stack every worker's envs, each worker its own reset group, and are
+        repaired as one producer's. A collector that yields one worker's
+        batch at a time (``MultiAsyncCollector`` of several workers) or
+        stacks remote collectors (``RayCollector``) is refused: repair each
+        worker's batches (``postproc=``), or use
+        :class:`cleanbuf.AutoresetFilter`. A single env that resets only
+        when the loop says so needs no repair: the repair passes it through
+        (``mode="disabled"``) and its repr says so.
 
         Args:
             env: the producer.
@@ -186,11 +200,13 @@ class RolloutRepair:
                 and ``mask_key`` included).
 
         Returns:
-            The repair; its repr says how it was configured.
+            The repair; its repr says how it was configured. Nothing is
+            warned here: the first call that loses a terminal observation
+            warns (see the class).
 
-        Warns:
-            CleanbufWarning: the producer will lose terminal observations,
-                unless ``on_lost_terminal_obs`` is given (see the class).
+        Raises:
+            CleanbufError: a producer of several streams' batches in turn, an
+                unknown producer, or an env id (a str) instead of an env.
         """
         from cleanbuf.online._producers import options_for_env
 
@@ -237,9 +253,17 @@ class RolloutRepair:
             self._as_numpy = as_numpy
             return _to_dict(out, as_numpy)
         td, single = self._time_last(batch)
-        self._single = single
+        axis_known = single or self._layout == "time_first"
+        if not axis_known and not self._engine.stats["rows_in"]:
+            self._check_time_last(td, None)  # a first batch [T, E] would be read wrongly
         lost = self._engine.stats["terminal_obs_missing"]
-        out = self._engine(td)
+        try:
+            out = self._engine(td)
+        except (LayoutError, ResetRowError, ContinuityError) as err:
+            if not axis_known:
+                self._check_time_last(td, err)
+            raise
+        self._single = single
         self._warn_lost(self._engine.stats["terminal_obs_missing"] - lost)
         return self._back(out, single)
 
@@ -289,6 +313,49 @@ class RolloutRepair:
                 "single stream data.refine_names('time'), or pass layout='time_first'."
             )
         return td, False
+
+    def _check_time_last(self, td: TensorDictBase, err: Exception | None) -> None:
+        """Raises a LayoutError if the ``[A, B]`` batch read as ``[E, T]`` looks ``[T, E]``.
+
+        Within a stream, a row's next observation is the next row's
+        observation except at episode ends: along the time axis that chain
+        holds for most rows, along the env axis for almost none. A batch
+        whose chain holds along its first axis rather than its last is a
+        rollout stored time first (CleanRL, Stable-Baselines3, steps
+        stacked with ``torch.stack(rows, 0)``). ``err`` is the error the
+        batch got, if any, said after the axis order. Never raises anything
+        else (a batch too odd to tell gets its own error from the cleaner).
+        """
+        if td.batch_dims != 2 or min(td.batch_size) < 2:
+            return
+        try:
+            leaves = {k if isinstance(k, tuple) else (k,): v
+                      for k, v in td.items(include_nested=True, leaves_only=True)}  # fmt: skip
+            opts = self.options
+            bookkeeping = {k for k in (opts.is_init_key, opts.step_count_key) if k}
+            keys, obs_only = observation_keys(leaves, opts.observation_keys, bookkeeping)
+            obs, nxt = leaves[keys[0]], leaves[("next", *keys[0])]
+            if obs_only or obs.shape != nxt.shape or obs.is_meta:
+                return
+            obs, nxt = obs.detach().cpu(), nxt.detach().cpu()
+            a, b = td.batch_size
+
+            def chain(x: torch.Tensor, y: torch.Tensor) -> float:
+                return float((x == y).reshape(x.shape[0], x.shape[1], -1).all(-1).float().mean())
+
+            along_last, along_first = chain(nxt[:, :-1], obs[:, 1:]), chain(nxt[:-1], obs[1:])
+        except Exception:  # noqa: BLE001 - too odd to tell; the cleaner says what is wrong
+            return
+        if along_first < 0.5 or along_first <= along_last:
+            return
+        raise LayoutError(
+            f"this batch looks time-first [T, E]: its rows continue along its first axis "
+            f"(size {a}), not its last (size {b}), and RolloutRepair() reads batches as "
+            "[*E, T] (time last, as TorchRL collectors give them). Pass "
+            "layout='time_first' (RolloutRepair(mode, layout='time_first')) for rollouts "
+            "stored [T, E], or transpose the batch. Nothing was changed."
+            + (f" (The cleaner said: {err})" if err is not None else "")
+        ) from err
 
     def _back(self, out: TensorDictBase, single: bool) -> TensorDictBase:
         if single:
@@ -361,7 +428,12 @@ def _to_td(data: Mapping, layout: str | None) -> tuple[TensorDictBase, bool]:
             f"no done key in the dict: expected one of {list(DONE_KEYS)} (nested dicts or "
             f"tuple keys), found {sorted(map(str, leaves))}."
         )
-    dims = done.ndim - 1 if done.ndim > 1 and done.shape[-1] == 1 else done.ndim
+    # A trailing 1 is TorchRL's flag dimension ([T, E, 1]), unless every array has it
+    # (a loop of one env stored CleanRL's way: done [T, 1], observations [T, 1, ...]).
+    dims = done.ndim
+    if dims > 1 and done.shape[-1] == 1:
+        if any(tuple(v.shape[:dims]) != tuple(done.shape) for v in leaves.values()):
+            dims -= 1
     batch = list(done.shape[:dims])
     tensors = {k: torch.as_tensor(v) for k, v in leaves.items()}
     bad = {str(k): list(v.shape) for k, v in tensors.items() if list(v.shape[:dims]) != batch}

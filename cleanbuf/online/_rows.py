@@ -11,22 +11,102 @@ from tensordict import TensorDict
 
 from cleanbuf.engine._errors import InputError
 
+_FINAL_KEYS = ("final_obs", "final_observation")
+
+
+def _shape(value: Any) -> list:
+    return list(value.shape) if isinstance(value, torch.Tensor) else list(np.shape(value))
+
+
+def _tensor(value: Any, what: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    a = np.asarray(value)
+    if a.dtype == object:
+        raise InputError(
+            f"{what} must be an array of numbers, shape [E, ...]; got {type(value).__name__} "
+            f"holding {sorted({type(x).__name__ for x in a.flat})} (an object array). Pass the "
+            "array the vector env gave or took, one entry per env."
+        )
+    return torch.as_tensor(a)
+
 
 def _tree(value: Any, n: int, what: str):
     """Numpy / torch / dict-of-those -> tensor or dict of tensors, batch [n]."""
     if isinstance(value, Mapping):
         return {k: _tree(v, n, f"{what}[{k!r}]") for k, v in value.items()}
-    t = torch.as_tensor(np.asarray(value) if not isinstance(value, torch.Tensor) else value)
+    if value is None:
+        raise InputError(
+            f"{what} is None; expected an array with the envs first, shape [{n}, ...]. Pass "
+            f"what the vector env gave or took at this step ({what} of every env)."
+        )
+    t = _tensor(value, what)
     if t.dim() == 0 or t.shape[0] != n:
         raise InputError(
-            f"{what} must have the envs first, shape [{n}, ...]; got shape {list(t.shape)}."
+            f"{what} must have the envs first, shape [{n}, ...]; got shape {list(t.shape)}. "
+            f"Pass {what} of all {n} envs of this step (the {n} comes from terminated)."
         )
     return t
 
 
+def _per_env(value: Any, n: int, what: str) -> torch.Tensor:
+    """One number per env: ``[n]`` or ``[n, 1]``, returned as ``[n, 1]``."""
+    shape = _shape(value)
+    if shape not in ([n], [n, 1]):
+        got = "a 0-dim value" if not shape else f"shape {shape}"
+        raise InputError(
+            f"{what} must hold one value per env, shape [{n}] (or [{n}, 1]); got {got}. "
+            f"Pass the {what} array the vector env's step returned, unchanged."
+        )
+    return _tensor(value, what).reshape(n, 1)
+
+
 def _flag(value: Any, n: int, what: str) -> torch.Tensor:
-    t = _tree(value, n, what)
-    return t.reshape(n, 1).to(torch.bool)
+    t = _per_env(value, n, what)
+    if t.dtype != torch.bool and not bool(((t == 0) | (t == 1)).all()):
+        raise InputError(
+            f"{what} must be booleans (or 0/1), one per env; got dtype {t.dtype} with values "
+            f"other than 0 and 1. Pass the {what} flags the vector env's step returned."
+        )
+    return t.to(torch.bool)
+
+
+def _n_envs(terminated: Any) -> int:
+    """The number of envs, from ``terminated`` (``[E]`` or ``[E, 1]``)."""
+    shape = _shape(terminated)
+    if len(shape) == 1 or (len(shape) == 2 and shape[1] == 1):
+        return int(shape[0])
+    raise InputError(
+        f"terminated must hold one flag per env, shape [E] (or [E, 1]); got shape {shape}. "
+        "Pass the terminated array the vector env's step returned (step_rows takes one step "
+        "of E envs)."
+    )
+
+
+def _one_env(obs, action, next_obs, reward, terminated, truncated, info):
+    """A single (non-vector) env's step with the env axis added: E = 1."""
+
+    def add(value: Any, what: str):
+        if isinstance(value, Mapping):
+            return {k: add(v, f"{what}[{k!r}]") for k, v in value.items()}
+        if value is None:
+            return _tree(value, 1, what)  # raises, naming it
+        t = value if isinstance(value, torch.Tensor) else _tensor(value, what)
+        return t.unsqueeze(0)
+
+    final = {}
+    if isinstance(info, Mapping):  # a same-step wrapper's terminal observation, if any
+        key = next((k for k in _FINAL_KEYS if info.get(k) is not None), None)
+        if key is not None:
+            final = {"final_obs": np.array([None], object), "_final_obs": np.ones(1, bool)}
+            final["final_obs"][0] = info[key]
+    elif info is not None:
+        raise InputError(
+            f"info of a single env's step must be its info dict; got {type(info).__name__}."
+        )
+    truncated = False if truncated is None else truncated
+    return (add(obs, "obs"), add(action, "action"), add(next_obs, "next_obs"), [reward],
+            [terminated], [truncated], final)  # fmt: skip
 
 
 def _final_from_info(info: Any, next_obs: Any, n: int):
@@ -43,14 +123,18 @@ def _final_from_info(info: Any, next_obs: Any, n: int):
     """
     entries: list = [None] * n
     if isinstance(info, Mapping):
-        key = next((k for k in ("final_obs", "final_observation") if k in info), None)
+        key = next((k for k in _FINAL_KEYS if k in info), None)
         if key is not None:
+            if len(info[key]) != n:
+                raise InputError(
+                    f"info[{key!r}] has {len(info[key])} entries; expected one per env ({n}). "
+                    "Pass the info dict of this step of the same vector env."
+                )
             mask = np.asarray(info.get("_" + key, [x is not None for x in info[key]]), bool)
             for i in np.flatnonzero(mask):
                 entries[i] = info[key][i]
     elif isinstance(info, Sequence) and not isinstance(info, str):
-        if len(info) != n:
-            raise InputError(f"info is a list of {len(info)} dicts; expected one per env ({n}).")
+        _check_infos(info, n)
         for i, d in enumerate(info):
             if d.get("terminal_observation") is not None:
                 entries[i] = d["terminal_observation"]
@@ -72,6 +156,17 @@ def _final_from_info(info: Any, next_obs: Any, n: int):
     return fill(next_obs, lambda e: e), present
 
 
+def _check_infos(info: Sequence, n: int) -> None:
+    """A Stable-Baselines3 list of infos: one dict per env."""
+    if len(info) != n or not all(isinstance(d, Mapping) for d in info):
+        kinds = sorted({type(d).__name__ for d in info})
+        raise InputError(
+            f"info is a list of {len(info)} entries ({', '.join(kinds) or 'none'}); expected "
+            f"one info dict per env ({n}, from terminated). Pass the infos the VecEnv's "
+            "step returned at this step."
+        )
+
+
 def _done_flags(terminated: Any, truncated: Any, info: Any, n: int):
     """``(terminated, truncated)`` as ``[n, 1]`` booleans.
 
@@ -87,6 +182,7 @@ def _done_flags(terminated: Any, truncated: Any, info: Any, n: int):
             "truncated=None is for Stable-Baselines3 steps, where the truncations are in "
             "the list of info dicts; pass truncated= for Gymnasium steps."
         )
+    _check_infos(info, n)
     flags = [bool(d.get("TimeLimit.truncated", False)) for d in info]
     truncated = torch.tensor(flags).reshape(n, 1)
     return terminated & ~truncated, truncated
@@ -102,8 +198,15 @@ def step_rows(
     info: Any = None,
     *,
     env_ids: bool = False,
+    reset: Any = None,
 ) -> TensorDict:
     """Turns one vector-env step into rows ``[E]`` for the filter (``layout="step"``).
+
+    A single (non-vector) env's step (``reward`` and ``terminated`` plain
+    numbers) gives one row, ``E = 1``. A single env resets only when the
+    loop calls ``reset()``, so its data needs no cleaning unless it is
+    wrapped to auto-reset (``gymnasium.wrappers.Autoreset``); see
+    :meth:`cleanbuf.AutoresetFilter.for_env`.
 
     Args:
         obs: the observations the actions were taken from (array ``[E, ...]``
@@ -111,7 +214,8 @@ def step_rows(
         action: the actions ``[E, ...]``.
         next_obs: what ``step`` returned as observations.
         reward: rewards ``[E]``.
-        terminated: terminations ``[E]`` (Stable-Baselines3: its ``dones``).
+        terminated: terminations ``[E]`` (Stable-Baselines3: its ``dones``);
+            they give the number of envs ``E``.
         truncated: truncations ``[E]``; None for Stable-Baselines3, where they
             are read from the infos' ``"TimeLimit.truncated"`` (and removed
             from ``terminated``).
@@ -127,12 +231,24 @@ def step_rows(
             info leaves it). Required (for the truncations) when
             ``truncated`` is None.
         env_ids: also store each row's env index as ``"env_id"``.
+        reset: bool ``[E]``: True for the envs the loop reset itself
+            (``envs.reset()``, or ``options={"reset_mask": mask}``) since the
+            previous step, so that ``obs`` is a fresh reset observation. Their
+            rows are marked as episode starts (``is_init`` True) and the
+            filter ends their carried episode there, instead of raising
+            :class:`~cleanbuf.ContinuityError`. Given, it adds ``is_init``
+            ``[E, 1]``; pass it on every step (all False where no env was
+            reset) to keep the rows of every step alike.
 
     Returns:
         A TensorDict ``[E]`` with ``observation``, ``action`` and ``next``:
         ``observation``, ``reward`` ``[E, 1]``, ``terminated``, ``truncated``,
         ``done`` (``[E, 1]`` booleans), and with ``info`` the
         final-observation entry and its mask.
+
+    Raises:
+        InputError: an argument is missing (None) or not shaped one entry
+            per env (named, with the shape expected and the one given).
 
     Examples:
         >>> import gymnasium as gym
@@ -151,12 +267,18 @@ def step_rows(
         >>> len(rb)
         40
     """
-    n = int(np.asarray(reward).shape[0])
+    if not _shape(terminated) and not _shape(reward) and not _shape(truncated):
+        obs, action, next_obs, reward, terminated, truncated, info = _one_env(
+            obs, action, next_obs, reward, terminated, truncated, info
+        )
+        if reset is not None:
+            reset = [reset]
+    n = _n_envs(terminated)
     terminated, truncated = _done_flags(terminated, truncated, info, n)
     action_t = _tree(action, n, "action")
     if isinstance(action_t, torch.Tensor) and action_t.dim() == 1:
         action_t = action_t.reshape(n, 1)
-    reward_t = _tree(reward, n, "reward").reshape(n, 1)
+    reward_t = _per_env(reward, n, "reward")
     if reward_t.is_floating_point():
         reward_t = reward_t.to(torch.float32)
     nxt = {
@@ -172,6 +294,8 @@ def step_rows(
         nxt["final_obs"] = _tree(final, n, "final_obs")
         nxt["_final_obs"] = torch.from_numpy(present).reshape(n, 1)
     data = {"observation": _tree(obs, n, "obs"), "action": action_t, "next": nxt}
+    if reset is not None:
+        data["is_init"] = _flag(reset, n, "reset")
     if env_ids:
         data["env_id"] = torch.arange(n)
     return TensorDict(data, batch_size=[n])
