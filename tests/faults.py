@@ -131,8 +131,8 @@ class Subject:
 
 def by_stream(rows: Any) -> Any:
     """Flat rows in a stable order of their ``"stream"`` key (as they are without one)."""
-    if rows is None or "stream" not in rows.keys():
-        return rows
+    if rows is None or "stream" not in rows.keys() or rows.batch_dims != 1:
+        return rows  # (a repair's [E, T] batch keeps its streams on its first axis)
     order = torch.sort(rows.get("stream").reshape(len(rows)), stable=True).indices
     return rows[order]
 

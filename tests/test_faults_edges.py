@@ -477,9 +477,15 @@ CLEAN_CASES = [
         clear(InputError, "without a done key", "'next/done'", "batch_dims="),
     ),
     Case(
-        "clean: float done",
+        "clean: float done 0/1 (as Stable-Baselines3 stores it)",
         bad_clean(lambda d: {**d, "next/done": d["next/done"] * 1.0}),
-        clear(InputError, "('next', 'done')", "torch.bool", "float64", ".bool()"),
+        HANDLED,
+        check=lambda s, r: _assert_same_as_bool_done(s),
+    ),
+    Case(
+        "clean: float done neither 0 nor 1",
+        bad_clean(lambda d: {**d, "next/done": d["next/done"] * 0.5}),
+        clear(InputError, "next/done", "0/1", "float64", "--key done="),
     ),
     Case(
         "clean: no next observation",
@@ -489,7 +495,7 @@ CLEAN_CASES = [
     Case(
         "clean: arrays of other lengths",
         bad_clean(lambda d: {**d, "action": d["action"][:2]}),
-        clear(InputError, "disagree on the batch shape", "[3, 6]", "[2, 6]", "batch_dims="),
+        clear(InputError, "different numbers of rows", "'action': 2", "one entry per transition"),
     ),
     Case(
         "clean: a list leaf",
@@ -499,7 +505,8 @@ CLEAN_CASES = [
     Case(
         "clean: numpy and torch mixed",
         bad_clean(lambda d: {**d, "action": torch.from_numpy(d["action"])}),
-        clear(InputError, "mixes numpy arrays and torch tensors"),
+        HANDLED,
+        check=lambda s, r: _assert_same_as_bool_done(s, mixed=True),
     ),
     Case(
         "clean: an unknown mode",
@@ -512,8 +519,13 @@ CLEAN_CASES = [
         clear(CleanbufError, "unknown option(s) ['resets']", "the options are"),
     ),
     Case(
-        "clean: NaN observations",
+        "clean: NaN observations, layout not said",
         bad_clean(_with_nan),
+        clear(InputError, "cannot tell the time axis", "layout="),
+    ),
+    Case(
+        "clean: NaN observations, layout said",
+        lambda s, g, at: s.out.append(cleanbuf.clean(_with_nan(g[at]), layout="time_last")),
         HANDLED,
         check=lambda s, r: _assert_nan_kept(s),
     ),
@@ -530,6 +542,19 @@ def _assert_pass_through(obj):
 def _assert_empty_out(subject):
     out = subject.out.pop()  # a no-op: what it returned is no part of the run
     assert out.batch_size == torch.Size([3, 0]) and out["collector", "mask"].shape == (3, 0)
+
+
+def _assert_same_as_bool_done(subject, mixed=False):
+    """The rows of the good batch: done flags stored as 0.0/1.0 read as
+    flags (the float dtype given back, the source's), or a leaf given as a
+    tensor among numpy arrays read as the array it holds."""
+    out = subject.out.pop()
+    want = cleanbuf.clean(clean_items()[1])
+    done = np.asarray(out["next/done"])  # (tensors out where a tensor came in)
+    assert done.dtype == (np.bool_ if mixed else np.float64), done.dtype
+    for k in want:
+        got = np.asarray(out[k])
+        assert np.array_equal(got.astype(want[k].dtype), want[k], equal_nan=True), k
 
 
 def _assert_nan_kept(subject):

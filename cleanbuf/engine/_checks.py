@@ -6,6 +6,8 @@ before the cleaner commits anything.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from cleanbuf.engine._carry import Carry
@@ -16,6 +18,7 @@ from cleanbuf.engine._errors import (
     TerminalObservationLostError,
     key_name,
 )
+from cleanbuf.engine._keys import observation_keys
 from cleanbuf.engine._layout import CallLayout
 from cleanbuf.engine._options import Options
 
@@ -193,42 +196,55 @@ def reset_groups(group: int, n_streams: int, stream_shape: tuple) -> None:
         )
 
 
-def time_first_hint(leaves: dict, batch_size: tuple, obs_keys: list) -> str:
-    """A sentence saying that a ``[A, B]`` batch read as ``[E, T]`` looks time-first.
+def looks_time_first(td: Any, options: Options) -> bool:
+    """Whether a ``[A, B]`` batch read as ``[E, T]`` looks time-first ``[T, E]``.
 
     Within a stream, a row's next observation is the next row's
     observation except at episode ends. Read along the last axis (time
     last, as TorchRL collectors give batches) that chain should hold; when
     it holds along the first axis instead, the batch is most likely
     ``[T, E]`` (CleanRL, Stable-Baselines3, a rollout stacked step by
-    step). Only looked at on the way to an error.
-
-    Returns:
-        The sentence, or "" when the batch does not look time-first.
+    step). Only looked at on the way to an error, or on a repair's first
+    batch. Never raises: a batch too odd to tell is not time-first here
+    (the cleaner's own check says what is wrong with it).
 
     Examples:
+        >>> from tensordict import TensorDict
         >>> obs = torch.arange(8.0).reshape(4, 2, 1)  # [T=4, E=2]: obs[t + 1] follows obs[t]
-        >>> leaves = {("obs",): obs, ("next", "obs"): obs + 2}
-        >>> time_first_hint(leaves, (4, 2), [("obs",)])[:35]
-        'This batch looks time-first [T, E]:'
+        >>> td = TensorDict({"obs": obs, ("next", "obs"): obs + 2}, batch_size=[4, 2])
+        >>> looks_time_first(td, Options()), looks_time_first(td.transpose(0, 1), Options())
+        (True, False)
     """
-    if len(batch_size) != 2 or min(batch_size) < 2 or not obs_keys:
-        return ""
-    key = obs_keys[0]
-    obs, nxt = leaves.get(key), leaves.get(("next", *key))
-    if obs is None or nxt is None or obs.shape != nxt.shape or obs.is_meta:
-        return ""
-    obs, nxt = obs.detach().cpu(), nxt.detach().cpu()
+    if getattr(td, "batch_dims", 0) != 2 or min(td.batch_size) < 2:
+        return False
+    try:
+        leaves = dict(td.items(include_nested=True, leaves_only=True))
+        leaves = {k if isinstance(k, tuple) else (k,): v for k, v in leaves.items()}
+        bookkeeping = {k for k in (options.is_init_key, options.step_count_key) if k}
+        keys, obs_only = observation_keys(leaves, options.observation_keys, bookkeeping)
+        obs, nxt = leaves.get(keys[0]), leaves.get(("next", *keys[0]))
+        if obs_only or obs is None or nxt is None or obs.shape != nxt.shape or obs.is_meta:
+            return False
+        obs, nxt = obs.detach().cpu(), nxt.detach().cpu()
 
-    def chain(a: torch.Tensor, b: torch.Tensor) -> float:
-        same = (a == b).reshape(a.shape[0], a.shape[1], -1).all(-1)
-        return float(same.float().mean())
+        def chain(a: torch.Tensor, b: torch.Tensor) -> float:
+            same = (a == b).reshape(a.shape[0], a.shape[1], -1).all(-1)
+            return float(same.float().mean())
 
-    along_time = chain(nxt[:, :-1], obs[:, 1:])
-    along_envs = chain(nxt[:-1], obs[1:])
-    if along_envs < 0.5 or along_envs <= along_time:
+        along_time, along_envs = chain(nxt[:, :-1], obs[:, 1:]), chain(nxt[:-1], obs[1:])
+    except Exception:  # noqa: BLE001 - too odd to tell
+        return False
+    return along_envs >= 0.5 and along_envs > along_time
+
+
+def time_first_hint(td: Any, options: Options) -> str:
+    """The filter's sentence for a batch of inferred layout that looks ``[T, E]``, or "".
+
+    See :func:`looks_time_first`.
+    """
+    if options.layout is not None or not looks_time_first(td, options):
         return ""
-    a, b = batch_size
+    a, b = td.batch_size
     return (
         f"This batch looks time-first [T, E]: its rows continue along the first axis "
         f"(size {a}), not the last (size {b}), and the filter reads batches as [E, T] "

@@ -42,7 +42,6 @@ from cleanbuf.engine._errors import (
 from cleanbuf.engine._flush import flush_carry
 from cleanbuf.engine._groups import clean_routed, producer_key
 from cleanbuf.engine._kernels import NEED_INIT, PENDING, Selection, plan_rows
-from cleanbuf.engine._keys import observation_keys
 from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import LOST_POLICIES, Options
 from cleanbuf.engine._patch import as_td, fix_bookkeeping, move, write_next_obs
@@ -154,25 +153,10 @@ class Cleaner:
                 return self._clean(td)
             return clean_routed(self, td, key, self._clean)
         except (LayoutError, ResetRowError, ContinuityError) as err:
-            hint = self._axis_hint(td)
+            hint = _checks.time_first_hint(td, self.options)
             if not hint:
                 raise
             raise type(err)(f"{hint} {err}") from None
-
-    def _axis_hint(self, td: TensorDictBase) -> str:
-        """:func:`_checks.time_first_hint` for an inferred-layout batch, or "" (never raises)."""
-        if self.options.layout is not None or not isinstance(td, TensorDictBase):
-            return ""
-        try:
-            leaves = dict(td.items(include_nested=True, leaves_only=True))
-            leaves = {k if isinstance(k, tuple) else (k,): v for k, v in leaves.items()}
-            bookkeeping = {k for k in (self.options.is_init_key, self.options.step_count_key) if k}
-            keys, obs_only = observation_keys(leaves, self.options.observation_keys, bookkeeping)
-            if obs_only:
-                return ""
-            return _checks.time_first_hint(leaves, tuple(td.batch_size), keys)
-        except Exception:  # a batch too odd to tell: the error as it was
-            return ""
 
     def _clean(self, td: TensorDictBase) -> TensorDictBase:
         """Cleans one batch against ``self._carry``; commits only on success."""

@@ -675,12 +675,12 @@ class Writer:
         m = rows.batch_size[0]
         if not m:
             return
+        self.done.append(_done_of(rows))
+        rows = source_names(rows, self.names, self.casts)  # laid out and stored as SRC names them
         if not self.rb.storage.initialized:
             self._lay_out(rows)
         lo, hi = self.n, self.n + m
         self.env.append(np.full(m, -1, np.int32) if env is None else np.asarray(env, np.int32))
-        self.done.append(_done_of(rows))
-        rows = source_names(rows, self.names, self.casts)
         fields = plain_leaves(rows) if self._leaves else None
         if fields is not None and fields.keys() == self._leaves.keys():
             for key, value in fields.items():

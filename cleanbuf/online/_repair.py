@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from cleanbuf.engine._checks import looks_time_first
 from cleanbuf.engine._errors import (
     CleanbufError,
     CleanbufWarning,
@@ -18,7 +19,7 @@ from cleanbuf.engine._errors import (
     LayoutError,
     ResetRowError,
 )
-from cleanbuf.engine._keys import DONE_KEYS, observation_keys
+from cleanbuf.engine._keys import DONE_KEYS
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._rollout import MASK_KEY, Rollouts
 
@@ -326,28 +327,9 @@ class RolloutRepair:
         batch got, if any, said after the axis order. Never raises anything
         else (a batch too odd to tell gets its own error from the cleaner).
         """
-        if td.batch_dims != 2 or min(td.batch_size) < 2:
+        if not looks_time_first(td, self.options):
             return
-        try:
-            leaves = {k if isinstance(k, tuple) else (k,): v
-                      for k, v in td.items(include_nested=True, leaves_only=True)}  # fmt: skip
-            opts = self.options
-            bookkeeping = {k for k in (opts.is_init_key, opts.step_count_key) if k}
-            keys, obs_only = observation_keys(leaves, opts.observation_keys, bookkeeping)
-            obs, nxt = leaves[keys[0]], leaves[("next", *keys[0])]
-            if obs_only or obs.shape != nxt.shape or obs.is_meta:
-                return
-            obs, nxt = obs.detach().cpu(), nxt.detach().cpu()
-            a, b = td.batch_size
-
-            def chain(x: torch.Tensor, y: torch.Tensor) -> float:
-                return float((x == y).reshape(x.shape[0], x.shape[1], -1).all(-1).float().mean())
-
-            along_last, along_first = chain(nxt[:, :-1], obs[:, 1:]), chain(nxt[:-1], obs[1:])
-        except Exception:  # noqa: BLE001 - too odd to tell; the cleaner says what is wrong
-            return
-        if along_first < 0.5 or along_first <= along_last:
-            return
+        a, b = td.batch_size
         raise LayoutError(
             f"this batch looks time-first [T, E]: its rows continue along its first axis "
             f"(size {a}), not its last (size {b}), and RolloutRepair() reads batches as "
