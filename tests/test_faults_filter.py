@@ -74,6 +74,21 @@ STREAMS["nan"] = _with_values(STREAMS["default"], float("nan"))
 STREAMS["inf"] = _with_values(STREAMS["default"], float("inf"))
 
 
+def _nan_at_call_ends(stream):
+    """NaN in every call's first observations (and the next observations of
+    the call before that lead to them): the rows the filter probes in the
+    buffer to tell a stored write from a failed one."""
+    out = [b.clone() for b in stream]
+    for i, b in enumerate(out):
+        b["observation"][:, 0] = float("nan")
+        if i:
+            out[i - 1]["next", "observation"][:, -1] = float("nan")
+    return out
+
+
+STREAMS["nan_ends"] = _nan_at_call_ends(STREAMS["default"])
+
+
 # --------------------------------------------------------------- bad calls
 def _feed(change):
     """A bad call: the good batch ``good[at]``, changed by ``change(batch)``."""
@@ -744,6 +759,14 @@ CASES = [
         replaces=1,
         stream="nan",
         bug="NaN != NaN breaking the continuity check",
+    ),
+    Case(
+        "NaN observations on the rows a write is checked by",
+        _batch(lambda g, at: g[at]),
+        HANDLED,
+        replaces=1,
+        stream="nan_ends",
+        bug="a stored write read as failed (NaN != NaN): each call undone, stats back to 0",
     ),
     Case(
         "infinite observations",

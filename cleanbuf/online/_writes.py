@@ -75,7 +75,18 @@ class LastWrite:
         held = rows.get(self.key)
         if held.shape != self.probe.shape or held.dtype != self.probe.dtype:
             return False
-        return bool(torch.equal(held.detach().cpu(), self.probe))
+        return _same_bytes(held.detach().cpu(), self.probe)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte for byte: a NaN the call returned is stored as that NaN (``torch.equal`` says no).
+
+    Examples:
+        >>> x = torch.tensor([[float("nan"), 1.0]])
+        >>> torch.equal(x, x.clone()), _same_bytes(x, x.clone())
+        (False, True)
+    """
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def slot_before(rb: Any) -> tuple[int, int] | None:
