@@ -547,7 +547,8 @@ def _assert_empty_out(subject):
 def _assert_same_as_bool_done(subject, mixed=False):
     """The rows of the good batch: done flags stored as 0.0/1.0 read as
     flags (the float dtype given back, the source's), or a leaf given as a
-    tensor among numpy arrays read as the array it holds."""
+    tensor among numpy arrays read as the array it holds.
+    """
     out = subject.out.pop()
     want = cleanbuf.clean(clean_items()[1])
     done = np.asarray(out["next/done"])  # (tensors out where a tensor came in)

@@ -77,7 +77,8 @@ STREAMS["inf"] = _with_values(STREAMS["default"], float("inf"))
 def _nan_at_call_ends(stream):
     """NaN in every call's first observations (and the next observations of
     the call before that lead to them): the rows the filter probes in the
-    buffer to tell a stored write from a failed one."""
+    buffer to tell a stored write from a failed one.
+    """
     out = [b.clone() for b in stream]
     for i, b in enumerate(out):
         b["observation"][:, 0] = float("nan")
