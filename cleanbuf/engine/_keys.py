@@ -19,6 +19,23 @@ DONE_KEYS = (("next", "done"), ("next", "terminated"), ("next", "truncated"))
 NOT_OBSERVATIONS = {"done", "terminated", "truncated", "reward", "is_init", "step_count"}
 
 
+def may_be_observation(key: tuple) -> bool:
+    """Whether a root key can hold an observation: the one rule, online and offline alike.
+
+    Not a ``"next"`` entry, not the collector's bookkeeping
+    (``("collector", ...)``), not a done flag, a reward, ``is_init`` or
+    ``step_count``. (An observation key is one such key stored with its
+    ``("next", *key)`` twin.)
+
+    Examples:
+        >>> may_be_observation(("pixels",)), may_be_observation(("step_count",))
+        (True, False)
+        >>> may_be_observation(("collector", "traj_ids"))
+        False
+    """
+    return key[0] not in (NEXT, "collector") and key[-1] not in NOT_OBSERVATIONS
+
+
 def batch_leaves(td: TensorDictBase) -> dict:
     """Returns every tensor leaf of ``td``, as stored: ``[*batch, *feature]``.
 
@@ -222,11 +239,7 @@ def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> 
         keys = [
             k
             for k in leaves
-            if k[0] != NEXT
-            and k[-1] not in NOT_OBSERVATIONS
-            and k[0] != "collector"
-            and k not in bookkeeping
-            and (NEXT, *k) in leaves
+            if may_be_observation(k) and k not in bookkeeping and (NEXT, *k) in leaves
         ]
         if not keys:
             raise InputError(

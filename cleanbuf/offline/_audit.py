@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from cleanbuf.engine._errors import InputError
+from cleanbuf.engine._keys import may_be_observation
 from cleanbuf.offline._formats import Dataset, Shape, done_of, read
 from cleanbuf.offline._joint import joint_rows
 from cleanbuf.offline._marker import env_if_fresh
@@ -38,7 +39,6 @@ from cleanbuf.offline._streams import Rows, Streams, recover, same_per_row, stor
 
 IN_MEMORY = "torchrl buffer in memory"  # the format of a buffer audited in memory
 BLOCK_BYTES = 2 << 20  # observations read at a time when scanning every row
-_NOT_OBS = {"done", "terminated", "truncated", "reward", "is_init", "step_count", "traj_ids"}
 
 
 def _tuple(key) -> tuple:
@@ -54,7 +54,7 @@ def observation_key(data) -> tuple:
     keys = [_tuple(k) for k in data.keys(True, True)]
     present = set(keys)
     for k in keys:
-        if k[0] != "next" and k[-1] not in _NOT_OBS and ("next", *k) in present:
+        if may_be_observation(k) and ("next", *k) in present:
             return k
     raise InputError(
         f"no observation key stored with its ('next', ...) twin among {sorted(keys, key=str)}; "

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from cleanbuf.engine._errors import InputError
+from cleanbuf.engine._keys import may_be_observation
 
 # role -> TorchRL key, "/"-joined as in a .npz file
 ROLE_KEYS = {
@@ -185,8 +186,7 @@ def obs_pair(names) -> tuple[str, str] | None:
     """
     names = list(names)
     present = set(names)
-    skip = {"done", "terminated", "truncated", "reward", "is_init", "step_count"}
     for k in ["observation", *names]:
-        if not k.startswith("next/") and k.split("/")[-1] not in skip and f"next/{k}" in present:
+        if may_be_observation(tuple(k.split("/"))) and f"next/{k}" in present:
             return k, f"next/{k}"
     return None

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from cleanbuf.engine._errors import CleanbufError
-from cleanbuf.engine._keys import TRAJ_IDS
+from cleanbuf.engine._keys import TRAJ_IDS, may_be_observation
 from cleanbuf.engine._options import normalize_mode
 from cleanbuf.online._compat import collector_compact_next_keys, gym_wrapper_vector_env
 
@@ -70,9 +70,6 @@ def _is_sb3_vec_env(env: Any) -> bool:
     )
 
 
-_BOOKKEEPING = {"is_init", "step_count"}
-
-
 @dataclasses.dataclass
 class Reading:
     """What ``for_env`` read from a producer.
@@ -131,7 +128,7 @@ def _collector_options(collector: Any) -> Reading:
         for k in collector_compact_next_keys(collector):
             root = k[1:] if len(k) > 2 else k[1]
             name = root[-1] if isinstance(root, tuple) else root
-            if name not in _BOOKKEEPING and root not in obs_keys:
+            if may_be_observation((name,)) and root not in obs_keys:
                 obs_keys.append(root)
     opts = reading.options
     if getattr(collector, "compact_obs", False):
@@ -164,7 +161,7 @@ def _multi_collector_options(collector: Any) -> tuple[Reading, list]:
         obs_keys = [
             k if isinstance(k, tuple) else (k,) for k in probe.observation_spec.keys(True, True)
         ]
-        obs_keys = [k for k in obs_keys if k[-1] not in _BOOKKEEPING]
+        obs_keys = [k for k in obs_keys if may_be_observation(k)]
     finally:
         if probe is not fn:
             probe.close()
