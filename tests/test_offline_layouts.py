@@ -28,7 +28,9 @@ kept, and a re-audit of the output clean.
 from __future__ import annotations
 
 import itertools
+import os
 import shlex
+import sys
 
 import gymnasium as gym
 import h5py
@@ -464,3 +466,60 @@ def test_time_first_is_a_layout_word_of_clean(runs):
     for k in told:
         assert np.array_equal(told[k], found[k], equal_nan=told[k].dtype.kind == "f"), k
     _compare({k: v for k, v in told.items()}, told["_cleanbuf/env"], oracle, lost_ok=False)
+
+
+def test_a_dones_array_that_contradicts_the_ends_is_data(runs, tmp_path):
+    """CleanRL's PPO stores in ``dones`` whether a row *starts* an episode
+    (its ``next_done``, one step after the end). Bug caught: the audit read
+    that array as the done flag, ignored ``terminations`` /
+    ``truncations``, diagnosed "same_step, high confidence, lost for good"
+    on next-step data, and its printed fix then failed on the disagreement.
+    """
+    data, oracle = runs["gym-next-step"]
+    arrays = _name(data, "cleanrl")
+    ends = arrays["terminations"] | arrays["truncations"]
+    arrays["dones"] = np.concatenate([np.zeros_like(ends[:1]), ends[:-1]])  # next_done
+    path = str(tmp_path / "ppo.npz")
+    np.savez(path, **arrays)
+    report = audit(path)
+    assert report.mode == "next_step" and report.status == 1, str(report)
+    assert "dones disagrees with terminations | truncations" in str(report), str(report)
+    out = _run_fix(report, path, tmp_path)
+    stored = np.load(out)
+    assert "dones" in stored.files  # kept, as data, under its own name
+    assert audit(out).status == 0
+    rows, env = _rows_of(out)
+    _compare(rows, env, oracle, lost_ok=False)
+
+
+def test_a_missing_next_observation_is_named_alone(runs, tmp_path, capsys):
+    """A PPO rollout saved without ``next_obs``. Bugs caught: the error
+    named ``obs`` missing too (it is there) and listed the arrays under
+    TorchRL's names (``observation``), so that ``--key obs=observation``,
+    the fix it suggested, then failed.
+    """
+    data, _ = runs["gym-next-step"]
+    arrays = _name(data, "cleanrl")
+    del arrays["next_obs"]
+    path = str(tmp_path / "ppo.npz")
+    np.savez(path, **arrays)
+    assert main(["audit", path]) == 2
+    err = capsys.readouterr().err
+    assert "role(s) next_obs (" in err and "--key next_obs=NAME" in err, err
+    assert "obs, rewards" in err and "observation" not in err.split("The arrays are:")[1], err
+
+
+def test_the_printed_fix_starts_with_the_command_the_user_ran(runs, tmp_path, monkeypatch):
+    """Bug caught: the fix printed a bare ``cleanbuf``, which fails
+    ("command not found") for a user who ran ``.venv/bin/cleanbuf audit``
+    as the README does, with the venv not on PATH; run as ``python -m
+    cleanbuf``, the fix must use that interpreter.
+    """
+    data, _ = runs["gym-next-step"]
+    path = str(tmp_path / "raw.npz")
+    np.savez(path, **_name(data, "cleanrl"))
+    monkeypatch.setattr(sys, "argv", [".venv/bin/cleanbuf", "audit", path])
+    assert audit(path).command().startswith(".venv/bin/cleanbuf clean ")
+    main_py = os.path.join("site", "cleanbuf", "__main__.py")
+    monkeypatch.setattr(sys, "argv", [main_py, "audit", path])
+    assert audit(path).command().startswith(f"{sys.executable} -m cleanbuf clean ")

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import shlex
+import sys
 import tempfile
 from typing import Any
 
@@ -60,6 +61,21 @@ def observation_key(data) -> tuple:
         f"no observation key stored with its ('next', ...) twin among {sorted(keys, key=str)}; "
         "an audit needs each row's observation and next observation."
     )
+
+
+def program() -> str:
+    """The command this process was run as, so that a printed fix runs as printed.
+
+    The script as typed (``.venv/bin/cleanbuf``, a venv not on ``PATH``),
+    this interpreter with ``-m cleanbuf``, or plain ``cleanbuf`` (from
+    Python, where the fix is shown, not run).
+    """
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0) == "cleanbuf":
+        return shlex.quote(argv0)
+    if argv0.endswith(os.path.join("cleanbuf", "__main__.py")):
+        return f"{shlex.quote(sys.executable)} -m cleanbuf"
+    return "cleanbuf"
 
 
 @dataclasses.dataclass
@@ -200,7 +216,7 @@ class Report:
         flags = f" --mode {self.mode} --joint-reset {joint}" + self.shape.flags()
         flags += f" --on-lost-terminal-obs {lost}" if lost else ""
         dst = shlex.quote(dst or clean_name(self.source))
-        return f"cleanbuf clean {shlex.quote(self.source)} {dst}{flags}"
+        return f"{program()} clean {shlex.quote(self.source)} {dst}{flags}"
 
     def to_dict(self) -> dict:
         """The report as plain values (what ``--json`` prints)."""

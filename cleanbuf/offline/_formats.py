@@ -383,7 +383,8 @@ def _arrays(path: str, fmt: str, arrays: dict, shape: Shape | None = None) -> Da
         )
     which, renamed = roles(list(arrays), shape.keys)
     arrays = {renamed.get(name, name): a for name, a in arrays.items()}
-    need(set(arrays), path)
+    need(set(arrays), path, renamed)
+    note = _done_as_data(arrays, renamed, shape, path)
     names = {_tuple(tuple(k.split("/"))): src for src, k in renamed.items()}
     casts = {}
     for name in [ROLE_KEYS[r] for r in FLAG_ROLES if ROLE_KEYS[r] in arrays]:
@@ -398,6 +399,7 @@ def _arrays(path: str, fmt: str, arrays: dict, shape: Shape | None = None) -> Da
         arrays = env_after_env(arrays, shape.envs, path)
         arrays, env, _ = flatten(arrays, time=1)
         why = f"{shape.envs} envs' rows one env after the other (as told)"
+    why = "; ".join(filter(None, [why, note]))
     rows = len(next(iter(arrays.values())))
     tensors = {tuple(name.split("/")): torch.from_numpy(a) for name, a in arrays.items()}
     data = TensorDict(tensors, batch_size=[rows])
@@ -406,6 +408,49 @@ def _arrays(path: str, fmt: str, arrays: dict, shape: Shape | None = None) -> Da
         names=names, casts=casts, layout=layout, layout_why=why, undecided=undecided,
         name_set=which, shape=shape,
     )  # fmt: skip
+
+
+def _done_as_data(arrays: dict, renamed: dict, shape: Shape, path: str) -> str:
+    """Reads a done array that contradicts ``terminated`` / ``truncated`` as data.
+
+    A transition's done is ``terminated | truncated``. An array named as
+    the done flag that says otherwise means something else: CleanRL's PPO
+    stores in ``dones`` whether each row's observation *starts* an episode
+    (its ``next_done``, one step later). Read as the done flag it would give
+    a confident and wrong verdict; it is kept as data, under its own name,
+    and the note says so. With TorchRL's names (``next/done`` cannot be
+    kept under its name as data) it is an error naming the fix. Where only
+    one of ``terminated`` / ``truncated`` is stored (Stable-Baselines3's
+    ``timeouts``), done must cover it.
+
+    Returns:
+        The note for the report ("" when done agrees, or is absent).
+    """
+    done = ROLE_KEYS["done"]
+    parts = [ROLE_KEYS[r] for r in ("terminated", "truncated") if ROLE_KEYS[r] in arrays]
+    if done not in arrays or not parts or "done" in (shape.keys or {}):
+        return ""
+    d = np.asarray(arrays[done]) != 0
+    ends = [(np.asarray(arrays[k]) != 0).reshape(d.shape) for k in parts]
+    either = np.logical_or.reduce(ends)
+    bad = int((d != either).sum() if len(parts) == 2 else (either & ~d).sum())
+    if not bad:
+        return ""
+    source = {v: k for k, v in renamed.items()}
+    told = " | ".join(source.get(k, k) for k in parts)
+    if done not in source:
+        raise InputError(
+            f"{path}: {done} disagrees with {told} on {bad} row(s); a transition's done is "
+            f"terminated | truncated. Fix: store {done} as their or, or store under another "
+            "name an array that means something else (whether a row starts an episode)."
+        )
+    name = source.pop(done)
+    arrays[name] = arrays.pop(done)
+    del renamed[name]
+    return (
+        f"{name} disagrees with {told} on {bad} row(s) (as CleanRL PPO's next_done does): "
+        f"kept as data; done read from {told}"
+    )
 
 
 def _flags(a: np.ndarray, name: str, path: str) -> tuple[np.ndarray, Any]:

@@ -150,24 +150,27 @@ def roles(names: list[str], keys: Mapping | None = None) -> tuple[str, dict]:
     return which, mapping
 
 
-def need(names: set, where: str) -> None:
+def need(names: set, where: str, renamed: Mapping | None = None) -> None:
     """Raises unless the arrays hold every role the audit reads.
 
     Observations and next observations (the chains), the reward (the
     reset-row check) and a done flag (``done``, or ``terminated`` /
-    ``truncated``).
+    ``truncated``). ``renamed`` (source name -> TorchRL key) lets the
+    message list the arrays under the names the file gives them.
     """
-    wanted = {} if obs_pair(names) else {r: ROLE_KEYS[r] for r in ("obs", "next_obs")}
+    wanted = {}
+    if not obs_pair(names):
+        has_obs = ROLE_KEYS["obs"] in names
+        wanted = {r: ROLE_KEYS[r] for r in (("next_obs",) if has_obs else ("obs", "next_obs"))}
     if ROLE_KEYS["reward"] not in names:
         wanted["reward"] = ROLE_KEYS["reward"]
     if not any(ROLE_KEYS[r] in names for r in FLAG_ROLES):
         wanted["done"] = ROLE_KEYS["done"]
     if wanted:
-        found = ", ".join(sorted(names))
+        source = {v: k for k, v in (renamed or {}).items()}
+        found = ", ".join(sorted(source.get(n, n) for n in names))
         raise InputError(
-            f"{where}: found no array for the role(s) "
-            + ", ".join(f"{r} {tuple(k.split('/'))}" for r, k in wanted.items())
-            + " (the audit reads "
+            f"{where}: found no array for the role(s) " + ", ".join(wanted) + " (the audit reads "
             f"each row's observation, next observation, reward and done flag; the reward "
             f"tells a reset row). The arrays are: {found}. Name them: "
             + " ".join(f"--key {role}=NAME" for role in wanted)

@@ -147,8 +147,11 @@ class AutoresetFilter(Transform):
     Keyword Args:
         layout: None to infer (``[*E, T]`` time-last collector batches, a
             1-D batch named ``["time"]`` or of length one as one stream),
-            "step" (each call is one step of E envs, batch ``[E]``), or
-            "stream_key" with ``stream_key``.
+            "time_last" (``[*E, T]``, declared), "step" (each call is one
+            step of E envs, batch ``[E]``), or "stream_key" with
+            ``stream_key``. (Time-first ``[T, E]`` rollouts: transpose them,
+            or use :class:`~cleanbuf.RolloutRepair` / :func:`cleanbuf.clean`
+            with ``layout="time_first"``.)
         stream_key: key of a per-row stream id, for flat rows.
         joint_reset: the producer resets a whole reset group when all its
             envs are done at once (TorchRL ``GymEnv(num_envs=N)``).
