@@ -170,7 +170,9 @@ def need(names: set, where: str, renamed: Mapping | None = None) -> None:
         source = {v: k for k, v in (renamed or {}).items()}
         found = ", ".join(sorted(source.get(n, n) for n in names))
         raise InputError(
-            f"{where}: found no array for the role(s) " + ", ".join(wanted) + " (the audit reads "
+            f"{where}: found no array for the role(s) "
+            + ", ".join(f"{r} {tuple(k.split('/'))}" for r, k in wanted.items())
+            + " (the audit reads "
             f"each row's observation, next observation, reward and done flag; the reward "
             f"tells a reset row). The arrays are: {found}. Name them: "
             + " ".join(f"--key {role}=NAME" for role in wanted)
