@@ -78,50 +78,49 @@ EVAL_EPISODES = 24
 MASK = ("collector", "mask")
 
 
-def noise(obs: torch.Tensor, n: int) -> torch.Tensor:
-    """``n`` numbers in ``[-1, 1)`` per row: a fixed hash of the observation's float32 bits.
+def wobble(obs: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` smooth functions of the observation in ``[-1, 1]``: the policy's fixed "noise".
 
-    Elementwise integer arithmetic, so a row gives the same numbers in a
-    batch of any size (a matrix product or a vectorised ``sin`` might not).
+    ``sin(3 w_j . obs)`` with fixed random directions ``w_j``. Deterministic,
+    so the same states give the same actions in every run of the same
+    seeds; smooth, so the value of the perturbed controller is a smooth
+    function of the state that a critic can fit, and a state's return is
+    its value (a random draw, or a hash of the state, would put its
+    variance into every state's error).
     """
-    bits = obs.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    h = torch.full(bits.shape[:-1], 0x811C9DC5, dtype=torch.int64)
-    for i in range(bits.shape[-1]):
-        h = ((h ^ bits[..., i]) * 0x01000193) & 0xFFFFFFFF
-    out = []
-    for j in range(n):
-        h = (((h ^ (h >> 15)) * 0x2C1B3C6D) + j) & 0xFFFFFFFF
-        h = (h ^ (h >> 12)) & 0xFFFFFFFF
-        out.append((h & 0xFFFFFF).to(torch.float32) / 2**23 - 1)
-    return torch.stack(out, -1)
+    x = obs.to(torch.float32)
+    gen = torch.Generator().manual_seed(1000 * n + x.shape[-1])
+    w = torch.randn(n, x.shape[-1], generator=gen)
+    return torch.sin(3 * (x[..., None, :] * w).sum(-1))
 
 
 def _cartpole(obs: torch.Tensor) -> torch.Tensor:
-    """Push toward the pole's fall; a random push on 70% of the steps (half fall by 50)."""
+    """Push toward the pole's fall, perturbed: some episodes fall within the limit, some not."""
     x = obs.to(torch.float32)
-    u = noise(x, 2)
-    push = (x[..., 2] + 0.5 * x[..., 3] + 0.02 * x[..., 0] + 0.1 * x[..., 1]) > 0
-    action = torch.where(u[..., 0] < 0.4, u[..., 1] > 0, push)
-    return torch.nn.functional.one_hot(action.long(), 2)
+    push = (x[..., 2] + 0.2 * x[..., 3] + CARTPOLE_WOBBLE * wobble(x, 3).sum(-1)) > 0
+    return torch.nn.functional.one_hot(push.long(), 2)
 
 
 def _pendulum(obs: torch.Tensor) -> torch.Tensor:
-    """Pump energy far from the top, a PD controller near it; noise of 0.6."""
+    """Pump energy far from the top, a PD controller near it; perturbed by 0.6."""
     x = obs.to(torch.float32)
     cos, sin, speed = x[..., 0], x[..., 1], x[..., 2]
     angle = torch.atan2(sin, cos)
     pd = -8.0 * angle - 1.5 * speed
     pump = 2.0 * torch.sign(speed * cos + 1e-6)
-    u = torch.where(cos > 0.85, pd, pump) + 0.6 * noise(x, 1)[..., 0]
+    u = torch.where(cos > 0.85, pd, pump) + 0.6 * wobble(x, 1)[..., 0]
     return u.clamp(-2, 2).unsqueeze(-1)
 
 
 def _hopper(obs: torch.Tensor) -> torch.Tensor:
-    """Hold the joints at rest (PD), noise of 0.4: about half fall within 100 steps."""
+    """Hold the joints at rest (PD), perturbed: some fall within the limit, some not."""
     x = obs.to(torch.float32)
     joints, speeds = x[..., 2:5], x[..., 8:11]
-    u = -joints - 0.05 * speeds + 0.4 * noise(x, 3)
+    u = -joints - 0.05 * speeds + HOPPER_WOBBLE * wobble(x, 3)
     return u.clamp(-1, 1)
+
+
+CARTPOLE_WOBBLE, HOPPER_WOBBLE = 0.5, 0.3
 
 
 @dataclass(frozen=True)
@@ -133,14 +132,16 @@ class CriticTask:
     steps: int  # T: steps of each env in the rollout
     policy: Callable[[torch.Tensor], torch.Tensor]
     value_scale: float  # the critic's output is multiplied by it (a fixed target scale)
+    standardize: bool = False  # the critic's input standardized (the true states' mean, std)
 
 
 TASKS = {
     # fixed horizon: every episode ends at the limit, all envs together
     "pendulum": CriticTask("Pendulum-v1", 200, 1000, _pendulum, 100.0),
     # falls (terminations) and time limits, at different steps in each env
-    "cartpole": CriticTask("CartPole-v1", 50, 400, _cartpole, 10.0),
-    "hopper": CriticTask("Hopper-v5", 100, 500, _hopper, 30.0),
+    "cartpole": CriticTask("CartPole-v1", 85, 600, _cartpole, 30.0),
+    # observations of unlike scales (a height near 1.2, velocities up to 10)
+    "hopper": CriticTask("Hopper-v5", 120, 600, _hopper, 30.0, standardize=True),
 }
 
 
@@ -189,6 +190,16 @@ def collect(task: CriticTask, seed: int) -> tuple[dict, dict]:
     return data, facts
 
 
+class _Standardize(nn.Module):
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor):
+        super().__init__()
+        self.register_buffer("mean", mean)
+        self.register_buffer("std", std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(self.mean.dtype) - self.mean) / self.std
+
+
 class _Scale(nn.Module):
     def __init__(self, scale: float):
         super().__init__()
@@ -199,12 +210,20 @@ class _Scale(nn.Module):
 
 
 def fit_critic(
-    td, rows: torch.Tensor, task: CriticTask, seed: int, rounds: int = ROUNDS
+    td,
+    rows: torch.Tensor,
+    task: CriticTask,
+    seed: int,
+    rounds: int = ROUNDS,
+    standardize: _Standardize | None = None,
 ) -> ValueOperator:
     """PPO's critic update without the actor: GAE targets on the whole batch, MSE on ``rows``."""
     torch.manual_seed(seed)  # the same initial weights and minibatches for every version
     n_obs = td["observation"].shape[-1]
-    critic = ValueOperator(nn.Sequential(mlp(n_obs, 1), _Scale(task.value_scale)), ["observation"])
+    layers = [mlp(n_obs, 1), _Scale(task.value_scale)]
+    if standardize is not None:
+        layers.insert(0, standardize)
+    critic = ValueOperator(nn.Sequential(*layers), ["observation"])
     estimator = GAE(gamma=GAMMA, lmbda=LMBDA, value_network=critic)
     optim = torch.optim.Adam(critic.parameters(), lr=LR)
     index = rows.reshape(-1).nonzero().squeeze(-1)
@@ -297,10 +316,15 @@ def run(task_name: str, seed: int, quick: bool) -> list[dict]:
     start = time.perf_counter()
     data, facts = collect(task, seed)
     ev = truth(task, 50_000 + seed, EVAL_EPISODES // 4 if quick else EVAL_EPISODES)
+    standardize = None
+    if task.standardize:  # the same for the three versions: the true states' statistics
+        td, rows = data["oracle"]
+        states = td["observation"][rows].to(torch.float32)
+        standardize = _Standardize(states.mean(0), states.std(0).clamp_min(1e-3))
     out = []
     for variant in VARIANTS:
         td, rows = data[variant]
-        critic = fit_critic(td, rows, task, seed, rounds=3 if quick else ROUNDS)
+        critic = fit_critic(td, rows, task, seed, 3 if quick else ROUNDS, standardize)
         out.append(
             {
                 "task": task_name,
@@ -439,7 +463,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=None, help="default: 5 (1 with --quick)")
     parser.add_argument("--tasks", nargs="*", default=None, help=f"default: {' '.join(TASKS)}")
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    parser.add_argument("--report", metavar="JSON", help="no fitting: the tables of a result file")
     args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            report(json.load(f)["results"], None)
+        return
     torch.set_num_threads(1)
     tasks = args.tasks or (["cartpole"] if args.quick else list(TASKS))
     seeds = range(args.seeds if args.seeds is not None else (1 if args.quick else 5))
@@ -469,7 +498,13 @@ def main() -> None:
             }
             with open(os.path.join(args.out, f"{name}.json"), "w") as f:
                 json.dump({"meta": meta, "results": results}, f, indent=1)
-    plot(results, os.path.join(args.out, f"{name}.png"))
+    report(results, os.path.join(args.out, f"{name}.png"))
+
+
+def report(results: list[dict], png: str | None) -> None:
+    """Prints the three tables (and plots to ``png``)."""
+    if png is not None:
+        plot(results, png)
     print(facts_table(results))
     print(table(results))
     print(paired(results))
