@@ -37,9 +37,18 @@ averaged over all states of those episodes, over the last ``NEAR`` states
 before a truncation, and over the last ``NEAR`` states before a
 termination.
 
-Run ``python -m bench.critic`` (minutes per task on 2 cores; ``--quick``
-for a smoke run). Writes ``bench/critic.json`` and ``bench/critic.png``
-(``--out`` to change). Not part of the test suite.
+Tasks, each with a time limit short enough that episodes end often:
+Pendulum-v1 (200 steps, the env's own: every episode is truncated, all
+envs together, so TorchRL loses every terminal observation), CartPole-v1
+(85 steps: falls and time limits at different steps in each env) and
+Hopper-v5 (120 steps: the same mix), twice: ``hopper`` with the critic's
+input as it comes, as the other tasks, and ``hopper-std`` with it
+standardized, as MuJoCo critics usually are.
+
+Run ``python -m bench.critic`` (about 25 minutes on 2 cores; ``--tasks``
+to choose, ``--quick`` for a smoke run). Writes ``bench/critic.json`` and
+``bench/critic.png`` (``--out`` to change; ``--report critic.json``
+prints the tables and redraws the plot). Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -436,9 +445,13 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     tasks = [t for t in TASKS if any(r["task"] == t for r in results)]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.6 * len(tasks), 3.6), squeeze=False)
+    cols = min(len(tasks), 2)
+    rows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.4 * cols, 3.6 * rows), squeeze=False)
     width = 0.26
-    for ax, task in zip(axes[0], tasks, strict=True):
+    for ax in axes.flat[len(tasks) :]:
+        ax.set_visible(False)
+    for ax, task in zip(axes.flat, tasks, strict=False):
         for i, variant in enumerate(VARIANTS):
             rs = [r for r in results if r["task"] == task and r["variant"] == variant]
             stats = [_interval([r["error"][k] for r in rs]) for k, _ in COLUMNS]
