@@ -16,8 +16,9 @@ Tasks: SAC on ``Pendulum-v1`` (fixed horizon: every episode ends by the
 greedy policy's return over training and, at the end, the Bellman error
 of the learned Q on explicit-reset data, on the episode-end rows (where the
 dirty data differs) and on the others. On-policy: PPO (``ClipPPOLoss`` and
-``GAE``) on both envs, with ``RolloutRepair`` as the cleaned form and the
-advantage error on the episode-end rows (``bench/impact_ppo.py``).
+``GAE``) on both envs and on CartPole with a 100-step limit, with
+``RolloutRepair`` as the cleaned form and the advantage error on the
+episode-end rows (``bench/impact_ppo.py``).
 
 Run ``python -m bench.impact`` (hours on 2 cores) or
 ``python -m bench.impact --quick`` (a smoke run of a few minutes). Writes
