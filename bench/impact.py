@@ -352,6 +352,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1/10 of the frames")
     parser.add_argument("--seeds", type=int, default=None, help="default: 5 (1 with --quick)")
+    parser.add_argument("--first-seed", type=int, default=0, help="to split seeds over processes")
     parser.add_argument("--tasks", nargs="*", default=[*TASKS, *PPO_TASKS])
     parser.add_argument("--ppo-frames", type=int, default=None, help="PPO length (default 100k)")
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
@@ -370,7 +371,8 @@ def main() -> None:
         report(results, os.path.join(args.out, f"{name}.png") if args.name else None)
         return
     torch.set_num_threads(1)
-    seeds = range(args.seeds if args.seeds is not None else (1 if args.quick else 5))
+    n_seeds = args.seeds if args.seeds is not None else (1 if args.quick else 5)
+    seeds = range(args.first_seed, args.first_seed + n_seeds)
     results = []
     for task in args.tasks:
         for seed in seeds:
