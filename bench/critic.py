@@ -185,10 +185,11 @@ def collect(task: CriticTask, seed: int) -> tuple[dict, dict]:
     n = valid.sum(-1)
     oracle_mask = torch.arange(task.steps).expand(NUM_ENVS, -1) < n[:, None]
     for e in range(NUM_ENVS):  # the pairing: the same transitions, row for row
-        a = repaired["observation"][e][valid[e]]
-        b = oracle["observation"][e][: int(n[e])]
-        if not torch.equal(a, b):
-            raise RuntimeError(f"{task.env}: env {e} of the oracle run took other steps")
+        mine, true = repaired[e][valid[e]], oracle[e][: int(n[e])]
+        nxt, true_nxt = mine["next", "observation"], true["next", "observation"]
+        same_next = (nxt == true_nxt) | nxt.isnan()  # NaN: a terminal observation lost
+        if not (torch.equal(mine["observation"], true["observation"]) and same_next.all()):
+            raise RuntimeError(f"{task.env}: env {e}'s repaired rows are not the oracle's")
     every = torch.ones(raw.batch_size, dtype=torch.bool)
     data = {"torchrl": (raw, every), "cleanbuf": (repaired, valid), "oracle": (oracle, oracle_mask)}
     done = oracle["next", "done"][oracle_mask].squeeze(-1)
