@@ -16,12 +16,15 @@ Tasks: SAC on ``Pendulum-v1`` (fixed horizon: every episode ends by the
 greedy policy's return over training and, at the end, the Bellman error
 of the learned Q on explicit-reset data, on the episode-end rows (where the
 dirty data differs) and on the others. On-policy: PPO (``ClipPPOLoss`` and
-``GAE``) on both envs, with ``RolloutRepair`` as the cleaned form and the
-advantage error on the episode-end rows (``bench/impact_ppo.py``).
+``GAE``) on both envs and on CartPole with a 100-step limit, with
+``RolloutRepair`` as the cleaned form and the advantage error on the
+episode-end rows (``bench/impact_ppo.py``).
 
-Run ``python -m bench.impact`` (about an hour on 2 cores) or
+Run ``python -m bench.impact`` (hours on 2 cores) or
 ``python -m bench.impact --quick`` (a smoke run of a few minutes). Writes
-``bench/impact.json`` and ``bench/impact.png`` (``--out`` to change).
+``bench/impact.json`` and ``bench/impact.png`` (``--out`` and ``--name`` to
+change; ``--report A.json B.json`` prints the tables of earlier runs
+together).
 Not part of the test suite.
 """
 
@@ -175,10 +178,12 @@ def _q(task: Task, loss, obs, action):
     return (td["action_value"] * action.float()).sum(-1)
 
 
-def run(task_name: str, variant: str, seed: int, quick: bool) -> dict:
+def run(
+    task_name: str, variant: str, seed: int, quick: bool, ppo_frames: int | None = None
+) -> dict:
     """Trains one agent; returns its curve, final return and Bellman errors."""
     if task_name in PPO_TASKS:
-        return run_ppo(task_name, variant, seed, quick, _greedy_return)
+        return run_ppo(task_name, variant, seed, quick, _greedy_return, ppo_frames)
     task = TASKS[task_name]
     if quick:
         short = {"frames": task.frames // 10, "random_frames": task.random_frames // 10, "evals": 2}
@@ -318,20 +323,61 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def _meta(quick: bool) -> dict:
+    return {
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.processor()}",
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torchrl": __import__("torchrl").__version__,
+            "gymnasium": gymnasium.__version__,
+            "cleanbuf": cleanbuf.__version__,
+        },
+        "quick": quick,
+    }
+
+
+def report(results: list[dict], png: str | None) -> None:
+    """Prints the tables of ``results`` (and plots them to ``png``)."""
+    if png is not None:
+        plot(results, png)
+    if any("bellman_error" in r for r in results):
+        print(table(results))
+    if any("advantage_error" in r for r in results):
+        print(ppo_table(results, _interval))
+    print(paired(results))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1/10 of the frames")
     parser.add_argument("--seeds", type=int, default=None, help="default: 5 (1 with --quick)")
+    parser.add_argument("--first-seed", type=int, default=0, help="to split seeds over processes")
     parser.add_argument("--tasks", nargs="*", default=[*TASKS, *PPO_TASKS])
+    parser.add_argument("--ppo-frames", type=int, default=None, help="PPO length (default 100k)")
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    parser.add_argument("--name", default=None, help="output stem (default impact, impact-quick)")
+    parser.add_argument(
+        "--report", nargs="*", default=None, metavar="JSON",
+        help="no training: the tables (and --name's plot) of these result files together",
+    )  # fmt: skip
     args = parser.parse_args()
+    name = args.name or ("impact-quick" if args.quick else "impact")
+    if args.report is not None:
+        results = []
+        for path in args.report:
+            with open(path) as f:
+                results += json.load(f)["results"]
+        report(results, os.path.join(args.out, f"{name}.png") if args.name else None)
+        return
     torch.set_num_threads(1)
-    seeds = range(args.seeds if args.seeds is not None else (1 if args.quick else 5))
+    n_seeds = args.seeds if args.seeds is not None else (1 if args.quick else 5)
+    seeds = range(args.first_seed, args.first_seed + n_seeds)
     results = []
     for task in args.tasks:
         for seed in seeds:
             for variant in VARIANTS:
-                r = run(task, variant, seed, args.quick)
+                r = run(task, variant, seed, args.quick, args.ppo_frames)
                 results.append(r)
                 err = r.get("bellman_error") or r["advantage_error"]
                 kind = "Bellman" if "bellman_error" in r else "advantage"
@@ -341,26 +387,10 @@ def main() -> None:
                     f"{err['other_rows']:.3f}, {r['seconds']:.0f} s",
                     flush=True,
                 )
-    meta = {
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.processor()}",
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "torchrl": __import__("torchrl").__version__,
-            "gymnasium": gymnasium.__version__,
-            "cleanbuf": cleanbuf.__version__,
-        },
-        "quick": args.quick,
-    }
-    name = "impact-quick" if args.quick else "impact"
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    plot(results, os.path.join(args.out, f"{name}.png"))
-    if any("bellman_error" in r for r in results):
-        print(table(results))
-    if any("advantage_error" in r for r in results):
-        print(ppo_table(results, _interval))
-    print(paired(results))
+                # after every run: a long run stopped early keeps what it did
+                with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+                    json.dump({"meta": _meta(args.quick), "results": results}, f, indent=1)
+    report(results, os.path.join(args.out, f"{name}.png"))
 
 
 if __name__ == "__main__":
