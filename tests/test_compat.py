@@ -54,7 +54,7 @@ def test_the_private_names_are_there():
     assert offline_compat.storage_tensors(storage).shape == (8,)  # every slot, not the filled
     rb = ReplayBuffer(storage=storage)
     assert online_compat.writer_slot(rb) == (0, 8)  # RoundRobinWriter._cursor
-    assert online_compat.storage_rows(storage, torch.tensor([1, 5])).shape == (2,)
+    assert online_compat.storage_leaf(storage, ("a",), torch.tensor([1, 5])).shape == (2, 3)
 
 
 def test_fallbacks_match_the_private_paths():

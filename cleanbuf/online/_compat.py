@@ -90,16 +90,19 @@ def writer_slot(rb: Any) -> tuple[int, int] | None:
     return (cursor, capacity) if capacity > 0 else None
 
 
-def storage_rows(storage: Any, slots: Any) -> Any:
-    """The rows a storage holds at ``slots``, written or not as far as its length says.
+def storage_leaf(storage: Any, key: tuple, slots: Any) -> Any:
+    """What a storage holds under ``key`` at ``slots``, written or not as far as its length says.
 
     TorchRL's ``storage.get`` stops at ``len(storage)``, which counts the
     rows written, not the slots: after a failed write the writer's cursor
     has moved past slots that ``len`` does not count, and later rows sit
-    beyond it. A tensor storage keeps every slot in ``storage._storage``;
-    elsewhere ``storage.get``.
+    beyond it. A tensor storage keeps every slot in ``storage._storage``,
+    whose one leaf is indexed (not every leaf: this runs at every call);
+    elsewhere ``storage.get``. None where the key is not stored.
     """
     raw = getattr(storage, "_storage", None)
     if getattr(storage, "initialized", False) and hasattr(raw, "batch_size"):
-        return raw[slots]
-    return storage.get(slots)
+        leaf = raw.get(key, None)
+        return None if leaf is None else leaf[slots]
+    rows = storage.get(slots)
+    return rows.get(key, None) if hasattr(rows, "batch_size") else None

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from cleanbuf.online._compat import storage_rows, writer_slot
+from cleanbuf.online._compat import storage_leaf, writer_slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +67,11 @@ class LastWrite:
         if not getattr(rb.storage, "initialized", True) or len(rb.storage) < self.length:
             return False  # nothing was ever stored, or the write never counted its rows
         try:
-            rows = storage_rows(rb.storage, slots)
+            held = storage_leaf(rb.storage, self.key, slots)
         except Exception:  # a storage that cannot be read by index
             return None
-        if not isinstance(rows, TensorDictBase) or self.key not in rows.keys(True, True):
-            return None
-        held = rows.get(self.key)
+        if not isinstance(held, torch.Tensor):
+            return None  # not stored under that key (a transform after the filter)
         if held.shape != self.probe.shape or held.dtype != self.probe.dtype:
             return False
         return _same_bytes(held.detach().cpu(), self.probe)
