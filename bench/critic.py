@@ -74,6 +74,7 @@ from torchrl.modules import ValueOperator
 from torchrl.objectives.value import GAE
 
 import cleanbuf
+from bench.impact import _interval as t_interval
 from bench.impact_ppo import mlp, next_step_env
 from cleanbuf import CleanbufWarning, RolloutRepair
 
@@ -358,15 +359,9 @@ def run(task_name: str, seed: int, quick: bool) -> list[dict]:
 
 
 def _interval(xs: list[float]) -> tuple[float, float]:
-    """Mean and half-width of a 95% t interval."""
-    t95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+    """Mean and half-width of a 95% t interval, NaN values (no such state in a seed) left out."""
     xs = [x for x in xs if not math.isnan(x)]
-    if not xs:
-        return math.nan, math.nan
-    mean = statistics.fmean(xs)
-    if len(xs) < 2:
-        return mean, math.nan
-    return mean, t95.get(len(xs) - 1, 2.0) * statistics.stdev(xs) / math.sqrt(len(xs))
+    return (math.nan, math.nan) if not xs else t_interval(xs)
 
 
 COLUMNS = (
