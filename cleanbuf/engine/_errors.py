@@ -7,6 +7,9 @@ call that raises one changes no state and writes nothing.
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 def key_name(key: tuple) -> str:
     """A key as the user wrote it, for messages: ``'obs'`` or ``('next', 'obs')``.
@@ -54,3 +57,33 @@ class CleanbufWarning(UserWarning):
 
     Filterable: ``warnings.simplefilter("ignore", cleanbuf.CleanbufWarning)``.
     """
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning name the user's line.
+
+    Counted from the function that calls ``warnings.warn``: the first frame
+    outside cleanbuf, TorchRL and tensordict (a filter's warning is raised
+    below ``rb.extend``, several frames of TorchRL deep).
+
+    Examples:
+        >>> import warnings
+        >>> def library_call():  # a cleanbuf function would sit here
+        ...     warnings.warn("lost", CleanbufWarning, stacklevel=user_stacklevel())
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     library_call()
+        >>> caught[0].filename == library_call.__code__.co_filename
+        True
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_library_dirs()):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
+
+
+def _library_dirs() -> tuple:
+    """Where cleanbuf, TorchRL and tensordict live (those imported by now)."""
+    names = ("cleanbuf", "torchrl", "tensordict")
+    mods = [sys.modules.get(n) for n in names]
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in mods if m and m.__file__)

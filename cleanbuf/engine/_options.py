@@ -8,7 +8,7 @@ from typing import Any
 
 from tensordict import NestedKey, unravel_key
 
-from cleanbuf.engine._errors import CleanbufError
+from cleanbuf.engine._errors import CleanbufError, user_stacklevel
 
 MODES = ("next_step", "same_step", "disabled")
 LAYOUTS = ("time_last", "step", "stream_key")
@@ -61,9 +61,87 @@ def _key(key: NestedKey | None) -> tuple | None:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Everything a :class:`cleanbuf.engine._cleaner.Cleaner` is configured with.
+    """The validated, immutable options of a filter, a repair or a clean.
 
-    See :class:`cleanbuf.AutoresetFilter` for the meaning of each field.
+    :class:`cleanbuf.AutoresetFilter`, :class:`cleanbuf.RolloutRepair` and
+    :func:`cleanbuf.clean` take these as keyword arguments, of the same
+    names and meanings, and build one with :meth:`build` (which checks
+    them and normalizes keys to tuples); ``filt.options`` and
+    ``repair.options`` return it. ``dataclasses.replace(opts, ...)`` gives
+    a changed copy (unchecked: pass it through :meth:`build` with
+    :meth:`as_dict` to check it).
+
+    Attributes:
+        mode: "next_step" (a reset row follows each done row: Gymnasium's
+            default, EnvPool, TorchRL ``GymEnv(name, num_envs=N)``),
+            "same_step" (the done row's next observation is the reset one,
+            the terminal one is in an info entry: SB3 ``VecEnv``, Gymnasium
+            ``SAME_STEP``, GPU simulators) or "disabled" (check and pass
+            through). :meth:`build` also takes a
+            ``gymnasium.vector.AutoresetMode``.
+        layout: which rows of a call belong to which env. None infers it
+            (``[*E, T]`` time-last collector batches; a 1-D batch named
+            ``["time"]`` or of length one is one stream); "time_last"
+            declares ``[*E, T]``; "step": each call is one step of E envs,
+            batch ``[E]``; "stream_key": flat rows with a per-row env id
+            under ``stream_key``. (``[T, E]`` rollouts: ``"time_first"``,
+            which :class:`~cleanbuf.RolloutRepair` and
+            :func:`~cleanbuf.clean` take.)
+        stream_key: the key of a per-row stream (env) id, for flat rows.
+        joint_reset: the producer resets a whole reset group when all its
+            envs are done on the same step, and no reset row follows
+            (TorchRL ``GymEnv(num_envs=N)``).
+        reset_group_size: streams per reset group (consecutive in C
+            order); None: all streams of a call.
+        joint_key: with ``layout="stream_key"``: a key holding True on a
+            done row whose whole reset group was done on that step (flat
+            rows do not show which rows share a step). Implies
+            ``joint_reset``.
+        on_lost_terminal_obs: what a row whose terminal (or next)
+            observation is lost gets: "nan" (NaN, counted), "drop" (the row
+            is not stored; the repair masks it), "raise"
+            (:class:`~cleanbuf.TerminalObservationLostError`) or "keep" (as
+            it came). None: "nan" in next-step mode for floating
+            observations, else an error that names the choices.
+        terminal_obs_in_done_row: rarely needed. Whether a done row holds
+            its terminal observation is read from the data, row by row (a
+            zero-filled or NaN next observation is not held). True declares
+            every done row complete, zeros included: for a terminal
+            observation truly 0 in every element with no reset row after
+            it. False is deprecated and ignored.
+        check_reset_rows: check that each reset row has reward 0 and is
+            not done (a :class:`~cleanbuf.ResetRowError` otherwise: the
+            wrong mode, or a reward transform that moves 0).
+        observation_keys: the observation keys; None: every key present
+            at the root and under "next" (done, reward and bookkeeping keys
+            excluded). Observation-only data needs them.
+        done_key: the done key; None: ``("next", "done")``, else
+            ``("next", "terminated") | ("next", "truncated")``.
+        reward_key: the reward key read by the reset-row check.
+        is_init_key: the ``InitTracker`` key to set on each episode's first
+            row (None: leave it alone).
+        step_count_key: the ``StepCounter`` key to fix, with its
+            ``("next", ...)`` twin (None: leave them alone).
+        final_obs_key: same-step mode: the final-observation entry; None
+            looks for ``("next", "final_obs")``, ``("next",
+            "final_observation")`` and ``("next", "terminal_observation")``.
+        keep_final_obs: same-step mode: store the final-observation entry
+            too.
+        compact: observation-only data: keep it observation-only (only the
+            artifacts go, nothing is held, the terminal observations of done
+            rows are not stored).
+        check_continuity: check that each call continues the streams of
+            the calls before it (a :class:`~cleanbuf.ContinuityError`
+            otherwise).
+        producer_key: batches come from several producers in turn (a
+            ``MultiAsyncCollector`` extended from the parent): this key's
+            trajectory ids tell which producer's streams a batch continues.
+
+    Examples:
+        >>> from cleanbuf import Options
+        >>> opts = Options.build("same_step", final_obs_key=("next", "final"))
+        >>> opts.mode, opts.final_obs_key, opts.is_init_key
+        ('same_step', ('next', 'final'), ('is_init',))
     """
 
     mode: str = "next_step"
@@ -136,7 +214,7 @@ class Options:
                 "recognised from the rows themselves (the next row of the stream decides). "
                 "Remove the argument; it is ignored.",
                 DeprecationWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
         if (
             kwargs.get("terminal_obs_in_done_row") is not None
@@ -149,7 +227,7 @@ class Options:
                 "observation that is neither zero-filled nor NaN is stored and kept). "
                 "Remove the argument; it is ignored.",
                 DeprecationWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
         names = {f.name for f in dataclasses.fields(cls)} - {"mode"}
         unknown = sorted(set(kwargs) - names)
@@ -181,6 +259,20 @@ class Options:
             observation_keys=_observation_keys(kwargs.pop("observation_keys", None)),
             **kwargs,
         )
+
+
+def options_in(arguments: dict) -> dict:
+    """The options among a call's arguments (its ``locals()``), by :class:`Options` field.
+
+    The public classes and functions spell every option out in their
+    signatures (for ``help()``, ``inspect.signature`` and editors) and
+    pass them on with this.
+
+    Examples:
+        >>> options_in({"self": None, "mode": "same_step", "layout": "step", "rb": 1})
+        {'mode': 'same_step', 'layout': 'step'}
+    """
+    return {name: arguments[name] for name in OPTION_NAMES if name in arguments}
 
 
 _KEY_OPTIONS = (
@@ -267,3 +359,6 @@ def _observation_keys(obs_keys) -> tuple | None:
     ):
         obs_keys = [obs_keys]
     return tuple(_key(k) for k in obs_keys)
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(Options))

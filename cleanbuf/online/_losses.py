@@ -1,4 +1,4 @@
-"""The lost-terminal-observation warning, shown once per filter where the user looks.
+"""The lost-terminal-observation warning, shown once per filter or repair where the user looks.
 
 By default (next-step mode, no ``on_lost_terminal_obs`` chosen) a terminal
 observation lost before the filter saw it (a TorchRL joint reset) is stored
@@ -15,44 +15,74 @@ from __future__ import annotations
 
 import warnings
 
-from cleanbuf.engine._errors import CleanbufWarning
+from cleanbuf.engine._errors import CleanbufWarning, user_stacklevel
 from cleanbuf.engine._options import Options
 
 LOST_KEY = "lost_in_calls"  # in a published state: what the copy's calls stored as NaN
 
 
-def _message(n_lost: int, where: str) -> str:
+# What a NaN next observation does downstream, per writer.
+EFFECTS = {
+    "filter": (
+        "are stored as NaN next observations, which turn a TD target NaN even under a done mask"
+    ),
+    "repair": (
+        "are NaN next observations, which TorchRL's value estimators read as the row's "
+        "own observation (an approximate bootstrap, never one from zeros)"
+    ),
+}
+
+
+def message(n_lost: int, who: str, where: str = "") -> str:
+    """The warning's text: the count, the cause, what NaN does, the two ways out.
+
+    Args:
+        n_lost: how many terminal observations were lost.
+        who: "filter" or "repair" (the writer, which decides what NaN does).
+        where: after "the filter", where the calls ran (copies elsewhere).
+
+    Examples:
+        >>> text = message(3, "repair")
+        >>> text.startswith("3 terminal observation(s) were lost before the repair saw")
+        True
+        >>> "lossless_gym_env" in text and "on_lost_terminal_obs='drop'" in text
+        True
+    """
+    drop = "store no such row" if who == "filter" else "keep those rows out of the loss (masked)"
     return (
-        f"{n_lost} terminal observation(s) were lost before the filter{where} saw them "
+        f"{n_lost} terminal observation(s) were lost before the {who}{where} saw them "
         "(TorchRL resets all envs of a GymEnv(num_envs=N) together when they end on "
-        "the same step, as fixed-horizon tasks always do) and are stored as NaN next "
-        "observations, which turn a TD target NaN even under a done mask; "
+        f"the same step, as fixed-horizon tasks always do) and {EFFECTS[who]}; "
         "stats['terminal_obs_missing'] keeps the running count. Use a "
         "lossless producer, cleanbuf.lossless_gym_env(name, num_envs) (TorchRL's "
         "GymWrapper over gymnasium.make_vec(..., vector_kwargs={'autoreset_mode': "
         "AutoresetMode.DISABLED or SAME_STEP})), or on_lost_terminal_obs='drop' to "
-        "store no such row. This warning is shown once per filter."
+        f"{drop}. This warning is shown once per {who}."
     )
 
 
 class LostObservations:
-    """What a filter's calls lost by default, and whether it warned.
+    """What a filter's or a repair's calls lost by default, and whether it warned.
+
+    Args:
+        who: "filter" or "repair", for the warning's text.
 
     Examples:
         >>> from cleanbuf.engine._options import Options
-        >>> losses = LostObservations()
+        >>> losses = LostObservations("filter")
         >>> losses.counting(Options.build("next_step"))
         True
         >>> losses.counting(Options.build("next_step", on_lost_terminal_obs="drop"))
         False
     """
 
-    def __init__(self):
+    def __init__(self, who: str = "filter"):
+        self.who = who
         self.in_calls = 0  # terminal observations this copy's calls stored as NaN
         self.warned = False  # shown in this process
 
     def __getstate__(self) -> dict:
-        return {"in_calls": 0, "warned": False}  # a copy counts and warns on its own
+        return {"who": self.who, "in_calls": 0, "warned": False}  # a copy counts on its own
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -67,20 +97,19 @@ class LostObservations:
         return options.on_lost_terminal_obs is None and options.mode == "next_step"
 
     def after_call(self, n_lost: int) -> None:
-        """Counts what one call lost; warns the first time (from the filter's caller)."""
+        """Counts what one call lost; warns the first time (at the user's line)."""
         if not n_lost:
             return
         self.in_calls += n_lost
         if not self.warned:
             self.warned = True
-            warnings.warn(CleanbufWarning(_message(n_lost, "")), stacklevel=4)
+            warnings.warn(CleanbufWarning(message(n_lost, self.who)), stacklevel=user_stacklevel())
 
-    def after_copies(self, states: dict, stacklevel: int) -> None:
-        """Warns once with what every copy's calls lost.
+    def after_copies(self, states: dict) -> None:
+        """Warns once with what every copy's calls lost (at the user's line).
 
         Args:
             states: each copy's last published state, this one's included.
-            stacklevel: from this call to the user's line.
         """
         if self.warned:
             return
@@ -88,4 +117,6 @@ class LostObservations:
         if n_lost:
             self.warned = True
             where = "'s copies in worker processes or Ray actors"
-            warnings.warn(CleanbufWarning(_message(n_lost, where)), stacklevel=stacklevel + 1)
+            warnings.warn(
+                CleanbufWarning(message(n_lost, self.who, where)), stacklevel=user_stacklevel()
+            )

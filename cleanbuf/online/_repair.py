@@ -2,123 +2,81 @@
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NestedKey, TensorDict, TensorDictBase, unravel_key
 
 from cleanbuf.engine._checks import looks_time_first
 from cleanbuf.engine._errors import (
     CleanbufError,
-    CleanbufWarning,
     ContinuityError,
     InputError,
     LayoutError,
     ResetRowError,
+    StateError,
 )
 from cleanbuf.engine._keys import DONE_KEYS
-from cleanbuf.engine._options import Options
+from cleanbuf.engine._options import Options, options_in
 from cleanbuf.engine._rollout import MASK_KEY, Rollouts
+from cleanbuf.online._base import OnlineCleaner
+from cleanbuf.online._losses import LostObservations
+from cleanbuf.online._producers import Reading
 
 LAYOUTS = (None, "time_last", "time_first")
 # Filter options that describe other streams than one producer's [*E, T] batches.
 _NOT_HERE = ("stream_key", "joint_key", "producer_key", "compact")
 
 
-class RolloutRepair:
+class RolloutRepair(OnlineCleaner):
     """Repairs auto-reset rollouts in place, keeping their time axis, for on-policy losses.
 
     Value estimators (GAE, TD(0), TD(lambda), V-trace) walk a batch's time
-    axis, so the rows :class:`cleanbuf.AutoresetFilter` drops must stay.
-    The repair is the filter's second output form: the same planning (which
-    rows are reset rows, where each done row's terminal observation is,
-    which rows wait for the next batch, the ``is_init`` and step-count
-    fixes), written into the batch instead of leaving rows out.
-
-    **Core rule.** On the valid rows (``("collector", "mask")`` True), every
-    TorchRL value estimator gives what it gives on the explicit-reset run of
-    the same env (Gymnasium ``AutoresetMode.DISABLED``), and the valid rows
-    are that run's rows. For this, in the returned batch:
-
-    * each done row holds its true terminal observation (TorchRL zero-fills
-      it; a next-step reset row holds it; a same-step producer's
-      final-observation entry holds it);
-    * each reset row stays in place, marked False in the mask, and is made
-      inert: ``("next", "done")`` and ``("next", "terminated")`` True,
-      ``("next", "truncated")`` False, reward 0, so no estimator chains the
-      old episode into the new one or bootstraps from it. TorchRL's losses
-      skip it (their default ``loss_mask_key="auto"`` reads the mask), and
-      so does ``batch[batch["collector", "mask"]]``;
-    * ``is_init`` and the step counts are those of the explicit-reset run
-      on the valid rows;
-    * a collector's batch-end truncation mark (``Collector(set_truncated=
-      True)``; no option says so) waits in the held column until
-      its stream's next row says whether it ended an episode; if not, the
-      row is returned not done, so the estimators chain through it (a
-      terminated row keeps the mark's truncated flag, which they ignore).
-
-    **Shape.** Where the filter would hold a done row on a batch's last step
-    until its reset row comes (TorchRL collectors, whose done rows lack the
-    terminal observation), the repair holds the batch's whole last column:
-    call ``k`` returns ``[*E, T]`` made of the column call ``k - 1`` held and
-    its own first ``T - 1`` steps (the first call returns ``[*E, T - 1]``),
-    and :meth:`flush` returns the last held column ``[*E, 1]``. Every
-    returned done row is complete, and no frame is returned twice or lost.
-    Where nothing needs holding (same-step producers, raw loops that keep
-    the terminal observation: ``terminal_obs_in_done_row=True``, the
-    default with ``layout="time_first"``), each call returns its batch's
-    shape.
-
-    **Lost terminal observations.** TorchRL's ``GymEnv(num_envs=N)`` resets
-    all envs together when they end on the same step (fixed-horizon tasks
-    always do), and their terminal observations are gone. They are never
-    bootstrapped from as zeros. By default (``on_lost_terminal_obs=None``,
-    "nan") the row's next observation is NaN, with a
-    :class:`~cleanbuf.CleanbufWarning`, counted in
-    ``stats["terminal_obs_missing"]``; TorchRL's value estimators read a NaN
-    next observation as the row's own observation (their documented
-    stand-in), so they bootstrap the row, and through it the earlier rows of
-    its episode, from ``V(s_{T-1})`` instead of ``V(s_T)``: an error
-    discounted by ``(gamma * lambda) ** k`` on the row ``k`` steps earlier
-    (a terminated row is not bootstrapped: exact); other code sees the NaN.
-    With ``"drop"`` the row is masked instead (no loss on it) and its next
-    observation becomes its own observation, so every estimator does the
-    same for the rows before it, which stay valid. ``"keep"`` leaves the
-    zeros. To lose nothing, collect from :func:`cleanbuf.lossless_gym_env`.
-
-    **Stats.** ``rows_in == rows_out + reset_rows_masked +
-    lost_rows_masked + rows_held``: every row that came in is returned,
-    valid (``rows_out``) or masked, or is held.
-
-    **Advantage normalisation.** ``ClipPPOLoss(normalize_advantage=True)``
-    reads only ``"shifted_valid"``, not the mask: drop the masked rows
-    before the update (``batch[batch["collector", "mask"]]``), or set
-    ``batch["shifted_valid"] = batch["collector", "mask"]`` after the value
-    estimator has run (an estimator reads ``"shifted_valid"`` too, and
-    before it would turn each termination before a masked row into a
-    bootstrap).
+    axis, so the rows :class:`cleanbuf.AutoresetFilter` drops must stay: the
+    repair writes the filter's plan into the batch instead. On the rows its
+    mask marks valid (``("collector", "mask")``), every TorchRL value
+    estimator gives what it gives on the explicit-reset run of the same env,
+    and those rows are that run's rows: each done row gets its terminal
+    observation, each reset row stays in place, masked and made inert (done,
+    terminated, reward 0), ``is_init`` and the step counts are fixed. Where
+    a done row's terminal observation comes with the next batch (TorchRL
+    collectors), the batch's last column waits for it: call ``k`` returns
+    ``[*E, T]`` made of the column call ``k - 1`` held and its own first
+    ``T - 1`` steps, and :meth:`flush` returns the last one. The rules in
+    full (shape, lost observations, advantage normalisation) are in the
+    guide ``docs/rules.md``; each option in :class:`cleanbuf.Options`.
 
     Args:
         mode: as for :class:`cleanbuf.AutoresetFilter`.
-
-    Keyword Args:
         layout: None or "time_last" for TorchRL's ``[*E, T]`` batches (a
             1-D batch named ``["time"]`` is one stream); "time_first" for
             ``[T, *E]`` rollouts as CleanRL and Stable-Baselines3 store
             them (TensorDicts, or dicts of numpy arrays or tensors keyed as
-            TorchRL's: ``"observation"``, ``("next", "observation")``,
-            ``("next", "reward")``, ``("next", "done")``...).
+            TorchRL's). "time_first" reads every done row's next
+            observation as stored (``terminal_obs_in_done_row=True``).
         mask_key: where the validity mask goes.
-        **options: the filter's options (``joint_reset``,
-            ``reset_group_size``, ``on_lost_terminal_obs``,
-            ``terminal_obs_in_done_row``, ``check_reset_rows``,
-            ``observation_keys``, ``done_key``, ``reward_key``,
-            ``is_init_key``, ``step_count_key``, ``final_obs_key``,
-            ``keep_final_obs``, ``check_continuity``), with the same
-            meaning.
+        joint_reset: as for the filter.
+        reset_group_size: as for the filter.
+        on_lost_terminal_obs: as for the filter; "drop" masks the row.
+        terminal_obs_in_done_row: as for the filter.
+        check_reset_rows: as for the filter.
+        observation_keys: as for the filter.
+        done_key: as for the filter.
+        reward_key: as for the filter.
+        is_init_key: as for the filter.
+        step_count_key: as for the filter.
+        final_obs_key: as for the filter.
+        keep_final_obs: as for the filter.
+        check_continuity: as for the filter.
+        **unknown: nothing: a misspelt option raises, naming the options;
+            the filter's flat-row options (``stream_key``, ``joint_key``,
+            ``producer_key``, ``compact``) raise, naming the filter.
+
+    Raises:
+        CleanbufError: an unknown option, or one that does not go with
+            ``[*E, T]`` batches of one producer.
 
     Examples:
         >>> import torch
@@ -141,15 +99,33 @@ class RolloutRepair:
         >>> s = repair.stats
         >>> s["rows_in"] == s["rows_out"] + s["reset_rows_masked"] + s["lost_rows_masked"]
         True
+
+    See Also:
+        :class:`cleanbuf.AutoresetFilter`: flat rows for replay buffers.
+        :func:`cleanbuf.lossless_gym_env`: a TorchRL env that loses no
+        terminal observation.
     """
 
     def __init__(
         self,
-        mode: Any = "next_step",
+        mode: str | Any = "next_step",
         *,
         layout: str | None = None,
-        mask_key: Any = MASK_KEY,
-        **options: Any,
+        mask_key: NestedKey = MASK_KEY,
+        joint_reset: bool = False,
+        reset_group_size: int | None = None,
+        on_lost_terminal_obs: str | None = None,
+        terminal_obs_in_done_row: bool | None = None,
+        check_reset_rows: bool = True,
+        observation_keys: Sequence[NestedKey] | None = None,
+        done_key: NestedKey | None = None,
+        reward_key: NestedKey | None = ("next", "reward"),
+        is_init_key: NestedKey | None = "is_init",
+        step_count_key: NestedKey | None = "step_count",
+        final_obs_key: NestedKey | None = None,
+        keep_final_obs: bool = False,
+        check_continuity: bool = True,
+        **unknown: Any,
     ):
         if layout not in LAYOUTS:
             raise CleanbufError(
@@ -158,60 +134,41 @@ class RolloutRepair:
                 "[T, *E] rollouts. For one step of E envs per call, or flat rows, use "
                 "AutoresetFilter."
             )
-        bad = sorted(k for k in _NOT_HERE if options.get(k) not in (None, False))
+        bad = sorted(k for k in _NOT_HERE if unknown.get(k) not in (None, False))
         if bad:
             raise CleanbufError(
                 f"option(s) {bad} do not go with RolloutRepair, which repairs the [*E, T] "
                 "batches of one producer in place; use AutoresetFilter for flat rows and "
                 "several producers."
             )
-        if layout == "time_first":
-            options.setdefault("terminal_obs_in_done_row", True)
+        options = options_in(locals())
+        del options["layout"]  # the repair's own words; the engine reads [*E, T]
+        if layout == "time_first" and terminal_obs_in_done_row is None:
+            options["terminal_obs_in_done_row"] = True
+        unknown = {k: v for k, v in unknown.items() if k not in _NOT_HERE}
         self._layout = layout
-        opts = Options.build(mode, **options)
+        mask_key = unravel_key(mask_key)
         mask_key = mask_key if isinstance(mask_key, tuple) else (mask_key,)
-        self._engine = Rollouts(opts, mask_key)
+        self._engine = Rollouts(Options.build(**options, **unknown), mask_key)
         self._origin = None
-        self._warned_nan = False
+        self._losses = LostObservations("repair")
         self._as_numpy: bool | None = None  # dicts of arrays in: dicts out (and at flush)
         self._single = False  # the batches are one 1-D stream
 
     @classmethod
-    def for_env(cls, env: Any, **overrides: Any) -> RolloutRepair:
-        """Builds a repair configured for the producer ``env``.
+    def _options_for(cls, env: Any, reading: Reading, overrides: dict) -> dict:
+        """What ``for_env`` read, for ``[*E, T]`` batches of one producer.
 
-        Reads the producer as :meth:`cleanbuf.AutoresetFilter.for_env` does
-        (TorchRL ``GymEnv`` / ``GymWrapper`` and their transformed, serial
-        and parallel forms, a TorchRL ``Collector``, a Gymnasium
-        ``VectorEnv`` or single env, a Stable-Baselines3 ``VecEnv``, an
-        EnvPool env: raw loops, whose rollouts are taken as stored time
-        first, ``[T, E]``). A ``MultiSyncCollector``'s batches ``[W, E, T]``
-        stack every worker's envs, each worker its own reset group, and are
-        repaired as one producer's. A collector that yields one worker's
-        batch at a time (``MultiAsyncCollector`` of several workers) or
-        stacks remote collectors (``RayCollector``) is refused: repair each
-        worker's batches (``postproc=``), or use
-        :class:`cleanbuf.AutoresetFilter`. A single env that resets only
-        when the loop says so needs no repair: the repair passes it through
-        (``mode="disabled"``) and its repr says so.
-
-        Args:
-            env: the producer.
-            **overrides: options that replace what was read (``layout``
-                and ``mask_key`` included).
-
-        Returns:
-            The repair; its repr says how it was configured. Nothing is
-            warned here: the first call that loses a terminal observation
-            warns (see the class).
-
-        Raises:
-            CleanbufError: a producer of several streams' batches in turn, an
-                unknown producer, or an env id (a str) instead of an env.
+        A ``MultiSyncCollector``'s batches ``[W, E, T]`` stack every
+        worker's envs, each worker its own reset group, and are repaired as
+        one producer's. A collector that yields one worker's batch at a
+        time (``MultiAsyncCollector`` of several workers) or stacks remote
+        collectors (``RayCollector``) is refused: repair each worker's
+        batches (``postproc=``), or use the filter. A raw loop's rollouts
+        are taken as stored time first, ``[T, E]``. A single env that
+        resets only when the loop says so needs no repair: it passes
+        through (``mode="disabled"``) and the repr says so.
         """
-        from cleanbuf.online._producers import options_for_env
-
-        reading = options_for_env(env)
         options = {**reading.options, **overrides}
         if options.get("producer_key") is not None or reading.streams is not None:
             raise CleanbufError(
@@ -223,22 +180,17 @@ class RolloutRepair:
             options["layout"] = "time_first"  # a raw loop's rollout, stored [T, E]
         elif options.get("layout") in ("step", "stream_key"):
             options.pop("layout")
-        repair = cls(**options)
-        repair._origin = reading.why
-        return repair
-
-    @property
-    def options(self) -> Options:
-        """The cleaner's options."""
-        return self._engine.options
+        return options
 
     @property
     def stats(self) -> dict:
-        """The counters, plain ints (see the class for the identity they keep).
+        """The counters, plain ints.
 
-        ``rows_in``, ``rows_out`` (valid rows returned), ``reset_rows_masked``,
-        ``lost_rows_masked``, ``rows_held``, ``next_obs_restitched``,
-        ``terminal_obs_missing``, ``next_obs_missing``, ``episodes_completed``.
+        ``rows_in == rows_out + reset_rows_masked + lost_rows_masked +
+        rows_held``: every row that came in is returned, valid
+        (``rows_out``) or masked, or is held. Also ``next_obs_restitched``,
+        ``terminal_obs_missing``, ``next_obs_missing`` and
+        ``episodes_completed``, as the filter counts them.
         """
         return self._engine.stats
 
@@ -265,7 +217,7 @@ class RolloutRepair:
                 self._check_time_last(td, err)
             raise
         self._single = single
-        self._warn_lost(self._engine.stats["terminal_obs_missing"] - lost)
+        self._count_lost(self._engine.stats["terminal_obs_missing"] - lost)
         return self._back(out, single)
 
     def flush(self) -> Any:
@@ -282,12 +234,35 @@ class RolloutRepair:
         return out if self._as_numpy is None else _to_dict(out, self._as_numpy)
 
     def state_dict(self) -> dict:
-        """The state (carry, held column, counters) as tensors and plain values."""
-        return self._engine.state_dict()
+        """The state, laid out as the filter's: ``{"_extra_state": ...}``.
+
+        The carry, the held column and the counters, as tensors and plain
+        values (``torch.save`` keeps it).
+        """
+        return {"_extra_state": self._engine.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores what :meth:`state_dict` returned."""
-        self._engine.load_state_dict(state)
+        """Restores what :meth:`state_dict` returned.
+
+        Raises:
+            StateError: ``state`` is not a repair's state.
+            InputError: it was saved by a repair with other options.
+        """
+        inner = state.get("_extra_state", state) if isinstance(state, dict) else None
+        if not isinstance(inner, dict) or "cleaner" not in inner:
+            raise StateError(
+                f"state: expected the dict RolloutRepair.state_dict() returned, got "
+                f"{type(state).__name__}"
+                + (f" with keys {sorted(map(str, state))}" if isinstance(state, dict) else "")
+                + ". Pass what state_dict() returned, unchanged. Nothing was changed."
+            )
+        self._engine.load_state_dict(inner)
+
+    def _repr_parts(self) -> list:
+        parts = super()._repr_parts()
+        if self._layout is not None:
+            parts.insert(1, f"layout={self._layout!r}")
+        return parts
 
     # ------------------------------------------------------------ helpers
     def _time_last(self, td: Any) -> tuple[TensorDictBase, bool]:
@@ -346,41 +321,6 @@ class RolloutRepair:
             n = out.batch_dims
             return out.permute(n - 1, *range(n - 1)).contiguous()
         return out
-
-    def _warn_lost(self, n_lost: int) -> None:
-        """Warns once per repair when a call marks lost terminal observations NaN."""
-        opts = self.options
-        if not n_lost or self._warned_nan or opts.on_lost_terminal_obs is not None:
-            return
-        if opts.mode != "next_step":
-            return
-        self._warned_nan = True
-        warnings.warn(
-            CleanbufWarning(
-                f"{n_lost} terminal observation(s) were lost before the repair saw them "
-                "(TorchRL resets all envs of a GymEnv(num_envs=N) together when they end on "
-                "the same step, as fixed-horizon tasks always do); their next observations "
-                "are NaN, which TorchRL's value estimators read as the row's own observation "
-                "(an approximate bootstrap, never one from zeros). Collect from "
-                "cleanbuf.lossless_gym_env(name, num_envs) to lose none, or pass "
-                "on_lost_terminal_obs='drop' to keep those rows out of the loss (masked). "
-                "This warning is shown once per repair."
-            ),
-            stacklevel=3,
-        )
-
-    def __repr__(self) -> str:
-        o = self.options
-        parts = [f"mode={o.mode!r}"]
-        if self._layout is not None:
-            parts.append(f"layout={self._layout!r}")
-        if o.joint_reset:
-            parts.append(f"joint_reset=True, reset_group_size={o.reset_group_size}")
-        if o.on_lost_terminal_obs is not None:
-            parts.append(f"on_lost_terminal_obs={o.on_lost_terminal_obs!r}")
-        if self._origin:
-            parts.append(f"from={self._origin!r}")
-        return f"{type(self).__name__}({', '.join(parts)})"
 
 
 def _to_td(data: Mapping, layout: str | None) -> tuple[TensorDictBase, bool]:
