@@ -15,6 +15,7 @@ The public API:
   masked), so that GAE and the PPO loss equal the explicit-reset run.
 * :func:`lossless_gym_env`: TorchRL's ``GymEnv(name, num_envs=N)`` on a
   vector env that loses no terminal observation (no filter needed).
+* :class:`Options`: the options all of them take, validated and documented.
 * the errors, all ``ValueError`` subclasses.
 """
 
@@ -29,6 +30,7 @@ from cleanbuf.engine._errors import (
     StateError,
     TerminalObservationLostError,
 )
+from cleanbuf.engine._options import Options
 from cleanbuf.offline import audit
 from cleanbuf.offline._clean import clean
 from cleanbuf.online._lossless import lossless_gym_env
@@ -43,6 +45,7 @@ __all__ = [
     "ContinuityError",
     "InputError",
     "LayoutError",
+    "Options",
     "ResetRowError",
     "RolloutRepair",
     "StateError",

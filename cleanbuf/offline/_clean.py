@@ -2,123 +2,68 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NestedKey, TensorDictBase
 
 from cleanbuf.engine._cleaner import Cleaner
+from cleanbuf.engine._dicts import slash_named, to_dict, to_tensordict
 from cleanbuf.engine._errors import InputError
-from cleanbuf.engine._keys import DONE_KEYS
 from cleanbuf.engine._options import Options
 from cleanbuf.offline._axes import time_axis
 from cleanbuf.offline._formats import Shape
 from cleanbuf.offline._names import obs_pair, roles
 
 
-def _parts(key: Any) -> tuple:
-    """A dict key as a TensorDict key path; ``"next/done"`` is ``("next", "done")``.
-
-    The ``.npz`` format names nested keys so (see :mod:`cleanbuf.offline._formats`).
-
-    Examples:
-        >>> _parts("next/done"), _parts(("next", "done")), _parts("observation")
-        (('next', 'done'), ('next', 'done'), ('observation',))
-    """
-    parts = key if isinstance(key, tuple) else (key,)
-    return tuple(
-        p for part in parts for p in (part.split("/") if isinstance(part, str) else [part])
-    )
-
-
-def _flatten(data: Mapping, prefix: tuple = ()) -> dict:
-    out = {}
-    for k, v in data.items():
-        key = prefix + _parts(k)
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, key))
-        else:
-            out[key] = v
-    return out
-
-
-def _to_td(data: Mapping, batch_dims: int | None) -> tuple[TensorDictBase, bool]:
-    leaves = _flatten(data)
-    tensors, is_numpy = {}, []
-    for k, v in leaves.items():
-        if isinstance(v, np.ndarray):
-            tensors[k] = torch.from_numpy(v)
-            is_numpy.append(True)
-        elif isinstance(v, torch.Tensor):
-            tensors[k] = v
-            is_numpy.append(False)
-        else:
-            raise InputError(
-                f"key {k!r} holds {type(v).__name__}; a dict passed to clean() must hold "
-                "numpy arrays or torch tensors (nested dicts allowed)."
-            )
-    if len(set(is_numpy)) > 1:
-        raise InputError(
-            "the dict mixes numpy arrays and torch tensors; pass one kind so that the "
-            "result can be returned as the same kind."
-        )
-    done = next((tensors[k] for k in DONE_KEYS if k in tensors), None)
-    if batch_dims is None:
-        if done is None:
-            raise InputError(
-                "cannot infer the batch dimensions of a dict without a done key: expected "
-                f"one of {', '.join(map(str, DONE_KEYS))} (or 'next/done' as in .npz files), "
-                f"found keys {sorted(tensors, key=str)}. Add the done flags or pass batch_dims=."
-            )
-        batch_dims = done.dim() - 1 if done.dim() > 1 and done.shape[-1] == 1 else done.dim()
-    shapes = {k: tuple(v.shape[:batch_dims]) for k, v in tensors.items()}
-    first = next(iter(shapes.values()))
-    bad = {k: list(s) for k, s in shapes.items() if s != first}
-    if bad:
-        raise InputError(
-            f"arrays disagree on the batch shape (first {batch_dims} dims): expected "
-            f"{list(first)} for every key, got {bad}. Fix the shapes or pass batch_dims=."
-        )
-    td = TensorDict(batch_size=list(first))
-    for k, v in tensors.items():
-        td.set(k, v)
-    return td, bool(is_numpy and is_numpy[0])
-
-
-def _slash_named(data: Mapping) -> bool:
-    """The dict names nested keys as ``.npz`` files do (``"next/done"``), not nested."""
-    return any(isinstance(k, str) and "/" in k for k in data) and not any(
-        isinstance(v, Mapping) for v in data.values()
-    )
-
-
-def _to_dict(td: TensorDictBase, as_numpy: bool, slash_named: bool = False) -> dict:
-    out: dict = {}
-    for k, v in td.items(include_nested=True, leaves_only=True):
-        k = k if isinstance(k, tuple) else (k,)
-        if slash_named:
-            out["/".join(k)] = v.numpy() if as_numpy else v
-            continue
-        node = out
-        for part in k[:-1]:
-            node = node.setdefault(part, {})
-        node[k[-1]] = v.numpy() if as_numpy else v
-    return out
-
-
 def clean(
     data: Any,
     *,
+    mode: str | Any | None = None,
+    layout: str | None = None,
+    envs: int | None = None,
+    keys: dict | None = None,
     batch_dims: int | None = None,
-    dst: str | None = None,
+    dst: str | os.PathLike | None = None,
     return_stats: bool = False,
-    **options: Any,
+    stream_key: NestedKey | None = None,
+    joint_reset: bool | str | None = None,
+    reset_group_size: int | None = None,
+    joint_key: NestedKey | None = None,
+    on_lost_terminal_obs: str | None = None,
+    terminal_obs_in_done_row: bool | None = None,
+    check_reset_rows: bool = True,
+    observation_keys: Sequence[NestedKey] | None = None,
+    done_key: NestedKey | None = None,
+    reward_key: NestedKey | None = ("next", "reward"),
+    is_init_key: NestedKey | None = "is_init",
+    step_count_key: NestedKey | None = "step_count",
+    final_obs_key: NestedKey | None = None,
+    keep_final_obs: bool = False,
+    compact: bool = False,
+    check_continuity: bool = True,
+    producer_key: NestedKey | None = None,
+    **unknown: Any,
 ) -> Any:
     """Cleans auto-reset data in one go; held rows are flushed at the end.
+
+    What comes back depends on ``data`` and on two arguments, never on the
+    data's content:
+
+    ======================================  ==========================================
+    call                                    returns
+    ======================================  ==========================================
+    ``clean(td)``                           a TensorDict of flat rows
+    ``clean(rb)``, ``clean(path)``          a TensorDict of flat rows
+    ``clean(dict_of_arrays)``               a dict of the same kind of arrays, same
+                                            key style (nested, tuple or ``"a/b"``)
+    ``clean(..., return_stats=True)``       ``(rows, stats)``, rows as above
+    ``clean(path, dst=DST)``                the stats (the rows are written to DST)
+    ======================================  ==========================================
 
     Args:
         data: a TensorDict, or a (nested) dict of numpy arrays or torch
@@ -126,36 +71,58 @@ def clean(
             ``{"next": {"observation", "reward", "done"}}`` (tuple keys such
             as ``("next", "done")`` work too, and so do names as in the
             ``.npz`` format, ``"next/done"``, which the result keeps); or
-            stored data whose layout
-            is recovered as ``cleanbuf audit`` does: a TorchRL
-            ``ReplayBuffer`` or storage filled without the filter (by a
-            collector or ``rb.extend``), or a path (an ``rb.dumps``
-            directory, a TensorDict memmap directory, a ``.npz`` or HDF5
-            file), or a Stable-Baselines3 ``ReplayBuffer``. A dict with a
-            reward is read as stored arrays are: its layout (``[N]``,
-            ``[T, E]``, ``[E, T]``) and names (CleanRL's, offline-RL's)
-            from the data, unless ``batch_dims`` or an engine layout
-            (``"time_last"``, ``"step"``, ``stream_key=``) is given.
-        batch_dims: for dicts, the number of batch dimensions; None infers it
-            from the done array (a trailing dimension of size 1 is a feature
-            dimension).
+            stored data whose layout is recovered as ``cleanbuf audit``
+            does: a TorchRL ``ReplayBuffer`` or storage filled without the
+            filter, a path (an ``rb.dumps`` directory, a TensorDict memmap
+            directory, a ``.npz`` or HDF5 file), or a Stable-Baselines3
+            ``ReplayBuffer``. A dict with a reward is read as stored arrays
+            are: its layout (``[N]``, ``[T, E]``, ``[E, T]``) and names
+            (CleanRL's, offline-RL's) from the data, unless ``batch_dims``
+            or an engine layout (``"time_last"``, ``"step"``,
+            ``stream_key=``) is given.
+        mode: as for :class:`cleanbuf.AutoresetFilter`; None: for stored
+            data, what the audit found, else "next_step".
+        layout: "time_first" (``[T, E]``), "time_last" (``[E, T]``),
+            "flat", or the filter's "step" / "stream_key"; None: read from
+            the data. A dict, an SB3 buffer or a path read as stored arrays
+            comes back as flat rows under the source's names, with each
+            row's env in ``"_cleanbuf/env"``.
+        envs: with ``layout="flat"``: the rows are this many envs' rows,
+            one env after the other.
+        keys: ``{role: name}`` for arrays named otherwise (as
+            :func:`cleanbuf.audit` takes it).
+        batch_dims: for dicts, the number of batch dimensions; None reads
+            it from the done array (a trailing dimension of size 1 is a
+            flag dimension).
         dst: for a path, where to write the cleaned dataset (same format);
             None returns the rows instead.
-        return_stats: also return the counters (``filt.stats``).
-        **options: ``layout`` (``"time_first"``, ``"time_last"``,
-            ``"flat"``), ``envs`` and ``keys`` as :func:`cleanbuf.audit`
-            takes them (a dict, an SB3 buffer or a path then comes back
-            as flat rows under the source's names, with each row's env in
-            ``"_cleanbuf/env"``), and the options of
-            :class:`cleanbuf.AutoresetFilter`, ``mode``
-            included (default "next_step"; for stored data, what the audit
-            found).
+        return_stats: also return the counters (as ``filt.stats``).
+        stream_key: as for the filter.
+        joint_reset: as for the filter; also "yes", "no" or "auto" (None:
+            for stored data, what the audit found).
+        reset_group_size: as for the filter.
+        joint_key: as for the filter.
+        on_lost_terminal_obs: as for the filter.
+        terminal_obs_in_done_row: as for the filter.
+        check_reset_rows: as for the filter.
+        observation_keys: as for the filter.
+        done_key: as for the filter.
+        reward_key: as for the filter.
+        is_init_key: as for the filter.
+        step_count_key: as for the filter.
+        final_obs_key: as for the filter.
+        keep_final_obs: as for the filter.
+        compact: as for the filter.
+        check_continuity: as for the filter.
+        producer_key: as for the filter.
+        **unknown: nothing: a misspelt option raises, naming the options.
 
     Returns:
-        Flat cleaned rows, as a TensorDict for a TensorDict, a buffer, a
-        storage or a path, and as a nested dict of the same array kind for
-        a dict; ``(rows, stats)`` with ``return_stats``. With ``dst``, the
-        stats only.
+        See the table above.
+
+    Raises:
+        CleanbufError: an unknown option, data that does not fit the
+            options, or unreadable data (named, with the fix).
 
     Examples:
         >>> import numpy as np
@@ -171,6 +138,7 @@ def clean(
         >>> out["next"]["observation"].tolist()
         [1.0, 2.0, 11.0]
     """
+    options = {**_chosen(locals()), **unknown}
     stored = _stored(data, dst, options)
     if stored is not None:
         if dst is not None:
@@ -181,7 +149,7 @@ def clean(
         return (out, stats) if return_stats else out
     as_dict = isinstance(data, Mapping) and not isinstance(data, TensorDictBase)
     if as_dict:
-        td, as_numpy = _to_td(data, batch_dims)
+        td, as_numpy = to_tensordict(data, "clean()", batch_dims)
     else:
         td, as_numpy = data, False
     cleaner = Cleaner(Options.build(**options))
@@ -189,7 +157,7 @@ def clean(
     rest = cleaner.flush()
     if rest.batch_size[0]:
         out = torch.cat([out, rest])
-    out = _to_dict(out, as_numpy, _slash_named(data)) if as_dict else out
+    out = to_dict(out, as_numpy, slash_named(data)) if as_dict else out
     return (out, cleaner.stats) if return_stats else out
 
 
@@ -247,8 +215,8 @@ def _clean_arrays(data: Any, options: dict) -> tuple[Any, dict]:
         rows.set(("_cleanbuf", "env"), env)
         return rows, done.stats
     as_numpy = not (isinstance(data, Mapping) and _has_tensors(data))
-    slash = not isinstance(data, Mapping) or _slash_named(data)  # (an SB3 buffer: its names)
-    out = _to_dict(rows, as_numpy, slash_named=slash)
+    slash = not isinstance(data, Mapping) or slash_named(data)  # (an SB3 buffer: its names)
+    out = to_dict(rows, as_numpy, slash)
     if slash:
         out["_cleanbuf/env"] = env.numpy() if as_numpy else env
     else:
@@ -279,3 +247,24 @@ def _stored(data: Any, dst: str | None, options: dict) -> Any:
         with tempfile.TemporaryDirectory(prefix="cleanbuf-") as tmp:
             return clean_dataset(from_buffer(data, os.path.join(tmp, "dump")), None, **options)
     return None
+
+
+def _chosen(arguments: dict) -> dict:
+    """The options of a :func:`clean` call that differ from its defaults (what the user chose).
+
+    Those left out are the audit's (stored data) or the cleaner's defaults.
+    """
+    out = {}
+    for name, default in _CLEAN_DEFAULTS.items():
+        value = arguments[name]
+        if value is not default and not (type(value) is type(default) and value == default):
+            out[name] = value
+    return out
+
+
+_NOT_OPTIONS = ("data", "batch_dims", "dst", "return_stats")
+_CLEAN_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(clean).parameters.items()
+    if p.kind is p.KEYWORD_ONLY and name not in _NOT_OPTIONS
+}

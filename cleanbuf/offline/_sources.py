@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from cleanbuf.engine._dicts import leaves as dict_leaves
 from cleanbuf.engine._errors import InputError
 from cleanbuf.offline._formats import Dataset, Shape, from_arrays, from_buffer, from_tensordict
 
@@ -67,25 +68,12 @@ def _numpy(data: Mapping) -> tuple[dict, bool]:
     if isinstance(data, TensorDictBase):
         leaves = data.cpu().items(True, True)
         return {"/".join(k if isinstance(k, tuple) else (k,)): v.numpy() for k, v in leaves}, True
-    out, tensors = {}, []
-    for key, value in data.items():
-        name = "/".join(key) if isinstance(key, tuple) else str(key)
-        if isinstance(value, Mapping):
-            inner, t = _numpy(value)
-            out.update({f"{name}/{k}": v for k, v in inner.items()})
-            tensors.append(t)
-        elif isinstance(value, torch.Tensor):
-            out[name] = value.detach().cpu().numpy()
-            tensors.append(True)
-        elif isinstance(value, np.ndarray):
-            out[name] = value
-            tensors.append(False)
-        else:
-            raise InputError(
-                f"key {key!r} holds {type(value).__name__}; pass numpy arrays or torch tensors "
-                "(nested dicts allowed)."
-            )
-    return out, any(tensors)
+    arrays = dict_leaves(data, "cleanbuf.audit() or cleanbuf.clean()")
+    out = {
+        "/".join(map(str, k)): v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v
+        for k, v in arrays.items()
+    }
+    return out, any(isinstance(v, torch.Tensor) for v in arrays.values())
 
 
 def dataset(source: Any, shape: Shape, tmp: str) -> tuple[Dataset, str, str | None]:

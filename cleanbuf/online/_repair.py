@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-import torch
-from tensordict import NestedKey, TensorDict, TensorDictBase, unravel_key
+from tensordict import NestedKey, TensorDictBase, unravel_key
 
 from cleanbuf.engine._checks import looks_time_first
+from cleanbuf.engine._dicts import to_dict, to_tensordict
 from cleanbuf.engine._errors import (
     CleanbufError,
     ContinuityError,
@@ -18,7 +17,6 @@ from cleanbuf.engine._errors import (
     ResetRowError,
     StateError,
 )
-from cleanbuf.engine._keys import DONE_KEYS
 from cleanbuf.engine._options import Options, options_in
 from cleanbuf.engine._rollout import MASK_KEY, Rollouts
 from cleanbuf.online._base import OnlineCleaner
@@ -201,10 +199,12 @@ class RolloutRepair(OnlineCleaner):
         raises before anything changes.
         """
         if isinstance(batch, Mapping) and not isinstance(batch, TensorDictBase):
-            td, as_numpy = _to_td(batch, self._layout)
+            td, as_numpy = to_tensordict(
+                batch, "RolloutRepair", time_first=self._layout == "time_first"
+            )
             out = self(td)
             self._as_numpy = as_numpy
-            return _to_dict(out, as_numpy)
+            return None if out is None else to_dict(out, as_numpy)
         td, single = self._time_last(batch)
         axis_known = single or self._layout == "time_first"
         if not axis_known and not self._engine.stats["rows_in"]:
@@ -231,7 +231,7 @@ class RolloutRepair(OnlineCleaner):
         if out is None:
             return None
         out = self._back(out, self._single)
-        return out if self._as_numpy is None else _to_dict(out, self._as_numpy)
+        return out if self._as_numpy is None else to_dict(out, self._as_numpy)
 
     def state_dict(self) -> dict:
         """The state, laid out as the filter's: ``{"_extra_state": ...}``.
@@ -321,63 +321,3 @@ class RolloutRepair(OnlineCleaner):
             n = out.batch_dims
             return out.permute(n - 1, *range(n - 1)).contiguous()
         return out
-
-
-def _to_td(data: Mapping, layout: str | None) -> tuple[TensorDictBase, bool]:
-    """A dict of arrays (nested dicts or tuple keys) as a TensorDict; numpy or not."""
-    leaves: dict = {}
-
-    def walk(node: Mapping, prefix: tuple) -> None:
-        for k, v in node.items():
-            key = prefix + (k if isinstance(k, tuple) else (k,))
-            if isinstance(v, Mapping):
-                walk(v, key)
-            elif isinstance(v, (np.ndarray, torch.Tensor)):
-                leaves[key] = v
-            else:
-                raise InputError(
-                    f"key {key!r} holds {type(v).__name__}; a dict passed to RolloutRepair "
-                    "must hold numpy arrays or torch tensors."
-                )
-
-    walk(data, ())
-    kinds = {isinstance(v, np.ndarray) for v in leaves.values()}
-    if len(kinds) > 1:
-        raise InputError("the dict mixes numpy arrays and torch tensors; pass one kind.")
-    done = next((leaves[k] for k in DONE_KEYS if k in leaves), None)
-    if done is None:
-        raise InputError(
-            f"no done key in the dict: expected one of {list(DONE_KEYS)} (nested dicts or "
-            f"tuple keys), found {sorted(map(str, leaves))}."
-        )
-    # A trailing 1 is TorchRL's flag dimension ([T, E, 1]), unless every array has it
-    # (a loop of one env stored CleanRL's way: done [T, 1], observations [T, 1, ...]).
-    dims = done.ndim
-    if dims > 1 and done.shape[-1] == 1:
-        if any(tuple(v.shape[:dims]) != tuple(done.shape) for v in leaves.values()):
-            dims -= 1
-    batch = list(done.shape[:dims])
-    tensors = {k: torch.as_tensor(v) for k, v in leaves.items()}
-    bad = {str(k): list(v.shape) for k, v in tensors.items() if list(v.shape[:dims]) != batch}
-    if bad:
-        raise InputError(
-            f"arrays disagree on the batch shape: expected {batch} (from the done key) "
-            f"first for every key, got {bad}."
-        )
-    td = TensorDict(batch_size=batch)
-    for k, v in tensors.items():
-        td.set(k, v)
-    return td, kinds == {True}
-
-
-def _to_dict(td: TensorDictBase | None, as_numpy: bool) -> dict | None:
-    if td is None:
-        return None
-    out: dict = {}
-    for k, v in td.items(include_nested=True, leaves_only=True):
-        k = k if isinstance(k, tuple) else (k,)
-        node = out
-        for part in k[:-1]:
-            node = node.setdefault(part, {})
-        node[k[-1]] = v.numpy() if as_numpy else v
-    return out
