@@ -142,6 +142,9 @@ class Options:
         >>> opts = Options.build("same_step", final_obs_key=("next", "final"))
         >>> opts.mode, opts.final_obs_key, opts.is_init_key
         ('same_step', ('next', 'final'), ('is_init',))
+        >>> from cleanbuf import AutoresetFilter
+        >>> AutoresetFilter(**opts.as_dict()).options == opts  # the same filter again
+        True
     """
 
     mode: str = "next_step"

@@ -50,6 +50,11 @@ class OnlineCleaner:
             env: the producer.
             **overrides: options that replace what was read from ``env``.
 
+        A ``GymEnv(name, num_envs=N)`` loses the terminal observations of
+        envs that end on the same step (TorchRL resets them together): the
+        repr says so when its sub-envs have a time limit, and the first
+        call that loses one warns (by default).
+
         Returns:
             The filter or repair. Its repr says how it was configured.
 
