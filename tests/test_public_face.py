@@ -182,3 +182,29 @@ def test_both_warn_once_at_the_users_line_with_the_same_ways_out():
             assert fragment in text
         assert w.filename == __file__, w.filename
     assert filt.stats["terminal_obs_missing"] == repair.stats["terminal_obs_missing"] == 4
+
+
+def test_repair_state_has_the_filters_layout_and_refuses_a_foreign_one():
+    """Bugs caught: the repair saving its state in another layout than the
+    filter (one checkpoint helper cannot handle both), a foreign state
+    loaded half-way or failing deep inside with a KeyError, a state saved
+    before the layout changed no longer loading.
+    """
+    batch = next_step_batch(2, 12, 0)
+    repair = RolloutRepair("next_step")
+    repair(batch)
+    state = repair.state_dict()
+    filt_state = AutoresetFilter("next_step").state_dict()
+    assert list(state) == list(filt_state) == ["_extra_state"]
+    for given in ({"weights": 1}, [1, 2], {"_extra_state": {"held": None}}):
+        fresh = RolloutRepair("next_step")
+        with pytest.raises(cleanbuf.StateError, match="state_dict"):
+            fresh.load_state_dict(given)
+        assert fresh.stats == RolloutRepair("next_step").stats
+    expected = repair.flush()
+    for saved in (state, state["_extra_state"]):  # the plain dict of 0.4 too
+        fresh = RolloutRepair("next_step")
+        fresh.load_state_dict(saved)
+        assert fresh.stats["rows_held"] == 2
+        torch.testing.assert_close(fresh.flush(), expected, equal_nan=True)
+        assert fresh.stats == repair.stats
