@@ -33,16 +33,15 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from cleanbuf.engine._checks import lost_policy
 from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._compat import new_tensordict
 from cleanbuf.engine._errors import LayoutError
-from cleanbuf.engine._flags import stored_rows
 from cleanbuf.engine._kernels import RELEASED_AS_IS, RELEASED_LOST
 from cleanbuf.engine._keys import DONE_KEYS, done_flags, observation_keys
-from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
-from cleanbuf.engine._patch import fill_rows, fix_bookkeeping, set_rows
+from cleanbuf.engine._plan import lost_policy
+from cleanbuf.engine._read import stored_rows
+from cleanbuf.engine._write import Views, fill_rows, fix_bookkeeping, set_rows
 
 # What each returned row is (int8 per row).
 VALID, RESET, LOST = 0, 1, 2

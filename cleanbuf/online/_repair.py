@@ -10,7 +10,6 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from cleanbuf.engine._checks import looks_time_first
 from cleanbuf.engine._errors import (
     CleanbufError,
     CleanbufWarning,
@@ -21,6 +20,7 @@ from cleanbuf.engine._errors import (
 )
 from cleanbuf.engine._keys import DONE_KEYS
 from cleanbuf.engine._options import Options
+from cleanbuf.engine._read import looks_time_first
 from cleanbuf.engine._rollout import MASK_KEY, Rollouts
 
 LAYOUTS = (None, "time_last", "time_first")
