@@ -23,13 +23,17 @@ and goes back to before the last call when that call's batch comes again
 (a write into the buffer failed and the batch is written again,
 :meth:`Cleaner._call_with_retry`). :meth:`Cleaner.flush` releases the held
 rows at the end of collection.
+
+Several producers. With ``producer_key`` (TorchRL's trajectory ids), or inside a Ray actor,
+the cleaner keeps one carry per producer: each worker of a
+``MultiAsyncCollector`` whose batches are extended from the parent, one
+worker's ``[E, T]`` batch at a time, or each Ray collector extending one
+Ray replay buffer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -51,12 +55,11 @@ from cleanbuf.engine._kernels import (
     NEED_INIT,
     PENDING,
     WAITING,
-    Selection,
-    plan_rows,
 )
 from cleanbuf.engine._keys import TRAJ_IDS, done_flags, observation_keys
 from cleanbuf.engine._options import LOST_POLICIES, Options
-from cleanbuf.engine._plan import Release, bad_reset_row, lost_policy
+from cleanbuf.engine._plan import Plan, lost_policy
+from cleanbuf.engine._plan import plan as plan_call
 from cleanbuf.engine._read import (
     Call,
     Fingerprint,
@@ -88,20 +91,6 @@ STAT_NAMES = (
     "rows_held",
     "episodes_completed",
 )
-
-
-class _Plan(NamedTuple):
-    """What the kernel planned for a call, and what it means for the held rows."""
-
-    sel: Selection
-    released_src: np.ndarray
-    per_stream: np.ndarray
-    n_drop: int
-    n_lost: int
-    n_next_lost: int
-    n_done: int
-    release: Release
-    policy: str
 
 
 class Cleaner:
@@ -165,7 +154,7 @@ class Cleaner:
         if isinstance(td, TensorDictBase) and td.batch_dims and td.batch_size[-1] == 0:
             # No row ([E, 0], or no env of a step): nothing to clean, nothing changes.
             return TensorDict({}, batch_size=[0], device=td.device)
-        return call_with_retry(self, td, self._call_once)
+        return self._call_with_retry(td)
 
     @property
     def _fingerprint(self):
@@ -178,7 +167,7 @@ class Cleaner:
         try:
             if key is None:
                 return self._clean(td)
-            return clean_routed(self, td, key, self._clean)
+            return self._clean_routed(td, key)
         except (LayoutError, ResetRowError, ContinuityError) as err:
             hint = time_first_hint(td, self.options)
             if not hint:
@@ -187,17 +176,22 @@ class Cleaner:
 
     def _clean(self, td: TensorDictBase) -> TensorDictBase:
         """Cleans one batch against ``self._carry``; commits only on success."""
-        call = self._read(td)
+        call = self.read(td)
         if call.as_is:
             return self._pass_through(call)
-        plan = self._plan(call)
+        plan = self.plan(call)
         out, new_held = self._move(call, plan)
         self._patch(call, plan, out, new_held)
-        self._commit(call, plan, new_held)
+        self.commit(call, plan, new_held)
         return as_td(out.tensors, len(plan.release) + len(plan.sel.emit), call.device)
 
     # ------------------------------------------------------ 1. read and check
-    def _read(self, td: TensorDictBase) -> Call:
+    @property
+    def carry(self) -> Carry:
+        """The carry state of the producer of the last call (read it; never write it)."""
+        return self._carry
+
+    def read(self, td: TensorDictBase) -> Call:
         """Reads and checks a batch (:class:`cleanbuf.engine._read.Reader`); changes nothing."""
         before = self._undo.fingerprint if self._undo is not None else None
         return self._reader.read(td, self._carry, before)
@@ -226,43 +220,15 @@ class Cleaner:
         return as_td(rows, layout.n_rows, call.device)
 
     # -------------------------------------------------------------- 2. plan
-    def _plan(self, call: Call) -> _Plan:
-        """Runs the planning kernel; reads what it says of the held rows."""
-        opts, layout, rules = self.options, call.layout, call.rules
-        sel, released_src, per_stream, n_drop, n_lost, n_next_lost, n_done, bad_row = plan_rows(
-            n=layout.n_rows,
-            steps=layout.steps,
-            stream=layout.stream,
-            done=call.done,
-            **call.kernel_flags(opts),
-            carry=call.carry.per_stream,
-            reset_rows=rules.reset_rows,
-            successor=rules.successor,
-            final=rules.final,
-            stitch=rules.stitch,
-            hold_done=rules.hold_done,
-            drop_lost=rules.drop_lost,
-        )
-        if bad_row >= 0:
-            stream = int(layout.stream_of(np.array([bad_row]))[0])
-            raise bad_reset_row(bad_row, stream, bool(call.done[bad_row]))
-        release = Release.of(call.carry, released_src, opts.done_key)
-        policy = lost_policy(
-            opts,
-            call.obs_keys,
-            call.views.tensors,
-            n_lost + n_next_lost + release.n_lost,
-            final_missing=opts.mode == "same_step",
-        )
-        if policy == "drop":
-            release = release.without_lost()
-        return _Plan(
-            Selection(*sel), released_src, per_stream, n_drop, n_lost, n_next_lost, n_done,
-            release, policy,
-        )  # fmt: skip
+    def plan(self, call: Call) -> Plan:
+        """Plans a call that :meth:`read` returned (:func:`cleanbuf.engine._plan.plan`).
+
+        Changes nothing.
+        """
+        return plan_call(call, self.options)
 
     # ---------------------------------------------------------- 3-4. move
-    def _move(self, call: Call, plan: _Plan) -> tuple[Views, dict]:
+    def _move(self, call: Call, plan: Plan) -> tuple[Views, dict]:
         """Gathers the output rows and the rows to hold.
 
         The output has the released held rows first, then the emitted rows;
@@ -286,7 +252,7 @@ class Cleaner:
         )  # fmt: skip
 
     # -------------------------------------------------------------- 5. patch
-    def _patch(self, call: Call, plan: _Plan, out: Views, new_held: dict) -> None:
+    def _patch(self, call: Call, plan: Plan, out: Views, new_held: dict) -> None:
         """Writes next observations, ``is_init`` and step counts into the copies."""
         opts, sel, release = self.options, plan.sel, plan.release
         n_rel = len(release)
@@ -301,7 +267,7 @@ class Cleaner:
             fix_bookkeeping(Views(new_held), 0, sel.hold_init, sel.hold_shift, *keys)
 
     # ------------------------------------------------------------- 6. commit
-    def _commit(self, call: Call, plan: _Plan, new_held: dict) -> None:
+    def commit(self, call: Call, plan: Plan, new_held: dict) -> None:
         """Makes the call's carry state current and counts the call.
 
         Nothing here raises. (The kernel returned a fresh carry array, so
@@ -394,7 +360,7 @@ class Cleaner:
         if self._undo is None or self._undo.stored:
             return False
         last, self._undo = self._undo, None
-        last.restore(self)
+        self._restore(last)
         return True
 
     def flush(self, on_lost_terminal_obs: str | None = None) -> TensorDictBase:
@@ -463,6 +429,129 @@ class Cleaner:
         self._carry, self._groups, self._undo = carry, groups, None
         self._stats = dict.fromkeys(STAT_NAMES, 0) | stats
 
+    # ------------------------------------------------ a batch written again
+    def _snapshot(self) -> Undo:
+        """What this cleaner is now (to go back to it).
+
+        A call replaces its carries or their fields and never writes into
+        them, so shallow copies do.
+        """
+        return Undo(self._carry.snapshot(), [g.snapshot() for g in self._groups], dict(self._stats))
+
+    def _restore(self, undo: Undo) -> None:
+        """Puts this cleaner back as it was at :meth:`_snapshot`."""
+        self._carry, self._groups, self._stats = undo.carry, undo.groups, undo.stats
+
+    def _call_with_retry(self, td: TensorDictBase) -> TensorDictBase:
+        """:meth:`_call_once`, going back first if ``td`` is the last call's batch.
+
+        A replay buffer runs the filter, then writes what the filter
+        returned. If that write fails, the held rows the call released and
+        its flags belong to rows that never reached the buffer: a user who
+        writes the same batch again gets those rows again. The read step
+        raises :class:`~cleanbuf.engine._read.SameBatchAgain` when the rows'
+        fingerprint (with trajectory ids) says so; a call that fails
+        otherwise is retried from before the last call when its fingerprint
+        matches that call's. A call that fails leaves the cleaner as it was.
+        """
+        undo = self._snapshot()
+        try:
+            out = self._call_once(td)
+        except (SameBatchAgain, CleanbufError) as err:
+            fingerprint = self._fingerprint
+            again = self._undo is not None and (
+                isinstance(err, SameBatchAgain) or (fingerprint is not None and fingerprint.again)
+            )
+            if not again:
+                raise
+            if self._undo.stored:
+                self._refuse_stored_again(td, undo, err)
+            last, self._undo = self._undo, None
+            self._restore(last)
+            retry = self._snapshot()
+            try:
+                out = self._call_once(td)
+            except CleanbufError:
+                self._restore(undo)  # as before this call, which changes nothing
+                self._undo = last
+                if isinstance(err, SameBatchAgain):
+                    raise
+                raise err from None
+            undo = retry
+        undo.fingerprint = self._fingerprint
+        self._undo = undo
+        return out
+
+    def _refuse_stored_again(self, td: TensorDictBase, undo: Undo, err: Exception) -> None:
+        """Raises for a call that looks like the last one again, whose rows were stored.
+
+        The first rows alone may match another batch (a fresh start of every
+        stream looks the same each time): it is the same batch if it cleans
+        from where the last call started. Either way the cleaner is left as
+        it was.
+        """
+        last, self._undo = self._undo, None
+        self._restore(last)
+        try:
+            self._call_once(td)
+        except (SameBatchAgain, CleanbufError):
+            same = False
+        else:
+            same = True
+        self._restore(undo)
+        self._undo = last
+        if same:
+            raise written_twice() from None
+        if isinstance(err, SameBatchAgain):
+            raise written_twice() from None
+        raise err
+
+    # ------------------------------------------------- several producers
+    def _clean_routed(self, td: TensorDictBase, key: tuple) -> TensorDictBase:
+        """:meth:`_clean` against the carry of the batch's producer.
+
+        With several producers, the batch goes to the first producer it
+        continues (:func:`candidates`); :meth:`_clean` changes nothing when
+        it refuses one. When the producers draw trajectory ids from one pool
+        (``producer_key``), a batch sharing ids with producers it does not
+        continue is refused (a skipped or repeated batch); when they may
+        share ids (``many_producers``), it starts a new one.
+        """
+        groups = self._groups
+        first, last = trajectory_ends(td, key)
+        restarts = None
+        if self.many_producers and self.options.producer_key is None:
+            restarts = first_restarts(td, self.options)  # pools of their own: ids shared by chance
+        matching, others = candidates(groups, first, restarts)
+        refused = None
+        for group in matching:
+            try:
+                out = self._clean_as(group, td)
+                break
+            except ContinuityError as err:
+                refused = refused or err
+        else:
+            if refused is not None and not self.many_producers:
+                raise refused
+            for group in others:  # the last, a new producer, refuses nothing
+                try:
+                    out = self._clean_as(group, td)
+                    break
+                except ContinuityError:
+                    continue  # an id it shares by chance: its open streams say no
+        self._carry.traj_ids = last
+        if group == len(groups):
+            groups.append(self._carry)
+        groups[group] = self._carry
+        self._stats["rows_held"] = sum(len(c.held_stream) for c in groups)
+        return out
+
+    def _clean_as(self, group: int, td: TensorDictBase) -> TensorDictBase:
+        """:meth:`_clean` against producer ``group``'s carry (a new one past the last)."""
+        groups = self._groups
+        self._carry = groups[group] if group < len(groups) else Carry()
+        return self._clean(td)  # commits into self._carry, or raises having changed nothing
+
     # ----------------------------------------------------------- helpers
     def _commit_layout(self, layout) -> None:
         c = self._carry
@@ -503,83 +592,6 @@ class Undo:
     stats: dict
     fingerprint: Fingerprint | None = None
     stored: bool = False  # the call's rows reached the buffer: the batch again is a duplicate
-
-    @classmethod
-    def of(cls, cleaner) -> Undo:
-        """Snapshots ``cleaner``.
-
-        A call replaces its carries or their fields and never writes into
-        them, so shallow copies do.
-        """
-        return cls(
-            cleaner._carry.snapshot(), [g.snapshot() for g in cleaner._groups], dict(cleaner._stats)
-        )
-
-    def restore(self, cleaner) -> None:
-        """Puts ``cleaner`` back as it was when snapshotted."""
-        cleaner._carry, cleaner._groups, cleaner._stats = self.carry, self.groups, self.stats
-
-
-def call_with_retry(cleaner, td: Any, call: Callable) -> Any:
-    """``call(td)`` on ``cleaner``, going back first if ``td`` is the last call's batch.
-
-    ``call`` raises :class:`SameBatchAgain` when the rows' fingerprint
-    (with trajectory ids) says so; a call that fails otherwise is retried
-    from before the last call when its fingerprint matches that call's. A
-    call that fails leaves the cleaner as it was.
-    """
-    undo = Undo.of(cleaner)
-    try:
-        out = call(td)
-    except (SameBatchAgain, CleanbufError) as err:
-        fingerprint = cleaner._fingerprint
-        again = cleaner._undo is not None and (
-            isinstance(err, SameBatchAgain) or (fingerprint is not None and fingerprint.again)
-        )
-        if not again:
-            raise
-        if cleaner._undo.stored:
-            _refuse_stored_again(cleaner, td, call, undo, err)
-        last, cleaner._undo = cleaner._undo, None
-        last.restore(cleaner)
-        retry = Undo.of(cleaner)
-        try:
-            out = call(td)
-        except CleanbufError:
-            undo.restore(cleaner)  # as before this call, which changes nothing
-            cleaner._undo = last
-            if isinstance(err, SameBatchAgain):
-                raise
-            raise err from None
-        undo = retry
-    undo.fingerprint = cleaner._fingerprint
-    cleaner._undo = undo
-    return out
-
-
-def _refuse_stored_again(cleaner, td: Any, call: Callable, undo: Undo, err: Exception) -> None:
-    """Raises for a call that looks like the last one again, whose rows were stored.
-
-    The first rows alone may match another batch (a fresh start of every
-    stream looks the same each time): it is the same batch if it cleans
-    from where the last call started. Either way the cleaner is left as
-    it was.
-    """
-    last, cleaner._undo = cleaner._undo, None
-    last.restore(cleaner)
-    try:
-        call(td)
-    except (SameBatchAgain, CleanbufError):
-        same = False
-    else:
-        same = True
-    undo.restore(cleaner)
-    cleaner._undo = last
-    if same:
-        raise written_twice() from None
-    if isinstance(err, SameBatchAgain):
-        raise written_twice() from None
-    raise err
 
 
 def written_twice() -> ContinuityError:
@@ -713,53 +725,6 @@ def producer_key(options: Options, many_producers: bool, td: TensorDictBase) -> 
         if td.get(TRAJ_IDS, None) is not None:
             return TRAJ_IDS
     return None
-
-
-def clean_routed(cleaner, td: TensorDictBase, key: tuple, clean: Callable) -> TensorDictBase:
-    """``clean(td)`` against the carry of the batch's producer.
-
-    With several producers, the batch goes to the first producer it
-    continues (:func:`candidates`); ``clean`` changes nothing when it
-    refuses one. When the producers draw trajectory ids from one pool
-    (``producer_key``), a batch sharing ids with producers it does not
-    continue is refused (a skipped or repeated batch); when they may share
-    ids (``cleaner.many_producers``), it starts a new one.
-    """
-    groups = cleaner._groups
-    first, last = trajectory_ends(td, key)
-    restarts = None
-    if cleaner.many_producers and cleaner.options.producer_key is None:
-        restarts = first_restarts(td, cleaner.options)  # pools of their own: ids shared by chance
-    matching, others = candidates(groups, first, restarts)
-    refused = None
-    for group in matching:
-        try:
-            out = _clean_as(cleaner, group, td, clean)
-            break
-        except ContinuityError as err:
-            refused = refused or err
-    else:
-        if refused is not None and not cleaner.many_producers:
-            raise refused
-        for group in others:  # the last, a new producer, refuses nothing
-            try:
-                out = _clean_as(cleaner, group, td, clean)
-                break
-            except ContinuityError:
-                continue  # an id it shares by chance: its open streams say no
-    cleaner._carry.traj_ids = last
-    if group == len(groups):
-        groups.append(cleaner._carry)
-    groups[group] = cleaner._carry
-    cleaner._stats["rows_held"] = sum(len(c.held_stream) for c in groups)
-    return out
-
-
-def _clean_as(cleaner, group: int, td: TensorDictBase, clean: Callable) -> TensorDictBase:
-    """``clean(td)`` against producer ``group``'s carry (a new one past the last)."""
-    groups = cleaner._groups
-    cleaner._carry = groups[group] if group < len(groups) else Carry()
-    return clean(td)  # commits into cleaner._carry, or raises having changed nothing
 
 
 def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:

@@ -656,3 +656,86 @@ class Rules(NamedTuple):
             and layout_kind == "time_last"
             and not options.terminal_obs_in_done_row,
         )
+
+
+class Flags(NamedTuple):
+    """What the read step found in a call, as the planning kernel takes it.
+
+    The fields are :func:`plan`'s first arguments, in its order (see there):
+    the rows' layout (``n``, ``steps``, ``stream``), their done flags, and
+    the per-row flags and per-call switches read from the batch.
+    """
+
+    n: int
+    steps: int
+    stream: np.ndarray
+    done: np.ndarray
+    stored: np.ndarray
+    joint: np.ndarray
+    group: int
+    final_ok: np.ndarray
+    final_default: bool
+    reward: np.ndarray
+    restart: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    marks: int
+    cont: np.ndarray
+
+
+class KernelResult(NamedTuple):
+    """What :func:`run_plan` returns for one call.
+
+    Attributes:
+        sel: the rows to emit and to hold, and the patches they need.
+        released_src: int64[S], per stream: the call's row holding its held
+            row's next observation, ``RELEASED_*`` (lost, as is, stored), or
+            -1 (nothing released).
+        carry: the new carry state, int64[5, S] (a fresh array).
+        n_drop: reset rows dropped.
+        n_lost: done rows whose terminal observation is lost.
+        n_next_lost: other rows whose next observation is lost.
+        n_done: episode ends completed in this call.
+        bad_row: the first row that fails the reset-row check, or -1 (then
+            ``sel`` is empty).
+    """
+
+    sel: Selection
+    released_src: np.ndarray
+    carry: np.ndarray
+    n_drop: int
+    n_lost: int
+    n_next_lost: int
+    n_done: int
+    bad_row: int
+
+
+def run_plan(flags: Flags, carry: np.ndarray, rules: Rules) -> KernelResult:
+    """:func:`plan_rows` on named tuples: a call's flags and the mode's rules.
+
+    Args:
+        flags: the call's rows and flags.
+        carry: the carry state, int64[5, S] (not written: the kernel returns
+            a fresh one).
+        rules: the mode's flags (``marks`` is already read into
+            ``flags.marks``).
+
+    Examples:
+        >>> done = np.array([False, True, False, False])  # one stream, a reset row at 2
+        >>> flags = Flags(
+        ...     n=4, steps=4, stream=NO_ROWS, done=done, stored=np.zeros(0, np.bool_),
+        ...     joint=np.zeros(0, np.bool_), group=0, final_ok=np.zeros(0, np.bool_),
+        ...     final_default=False, reward=np.zeros(0), restart=np.zeros(0, np.bool_),
+        ...     terminated=np.zeros(0, np.bool_), truncated=np.zeros(0, np.bool_), marks=0,
+        ...     cont=np.zeros(0, np.uint8))
+        >>> rules = Rules(reset_rows=True, successor=False, final=False, stitch=True,
+        ...               hold_done=True, drop_lost=False, marks=False)
+        >>> out = run_plan(flags, np.zeros((5, 1), np.int64), rules)
+        >>> out.sel.emit.tolist(), out.sel.stitched_src.tolist(), out.n_drop
+        ([0, 1, 3], [2], 1)
+    """
+    r = rules
+    sel, *rest = plan_rows(
+        *flags, carry, r.reset_rows, r.successor, r.final, r.stitch, r.hold_done, r.drop_lost
+    )
+    return KernelResult(Selection(*sel), *rest)

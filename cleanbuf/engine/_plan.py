@@ -12,6 +12,7 @@ counts; no tensor is touched or written here.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,9 +22,10 @@ from cleanbuf.engine._errors import (
     TerminalObservationLostError,
     key_name,
 )
-from cleanbuf.engine._kernels import NO_ROWS, RELEASED_LOST
+from cleanbuf.engine._kernels import NO_ROWS, RELEASED_LOST, Selection, run_plan
 from cleanbuf.engine._keys import done_flags
 from cleanbuf.engine._options import Options
+from cleanbuf.engine._read import Call
 from cleanbuf.engine._state import Carry
 from cleanbuf.engine._write import Views
 
@@ -174,3 +176,63 @@ class Release:
             self.lost_done,
             n_dropped=len(self.src) - int(np.count_nonzero(keep)),
         )
+
+
+class Plan(NamedTuple):
+    """What the kernel planned for a call, and what it means for the held rows.
+
+    Attributes:
+        sel: the call's rows to emit and to hold, and their patches.
+        released_src: per stream, the source of its held row's next
+            observation (see :class:`~cleanbuf.engine._kernels.KernelResult`).
+        per_stream: the new carry flags, int64[5, S].
+        n_drop: reset rows dropped.
+        n_lost: done rows of the call whose terminal observation is lost.
+        n_next_lost: other rows of the call whose next observation is lost.
+        n_done: episode ends completed.
+        release: the held rows of earlier calls this call releases.
+        policy: the lost-observation policy that applies ("nan", "drop" or
+            "keep").
+    """
+
+    sel: Selection
+    released_src: np.ndarray
+    per_stream: np.ndarray
+    n_drop: int
+    n_lost: int
+    n_next_lost: int
+    n_done: int
+    release: Release
+    policy: str
+
+
+def plan(call: Call, options: Options) -> Plan:
+    """Runs the planning kernel on a call read by the read step.
+
+    Reads what the kernel says of the held rows (:class:`Release`) and
+    applies the lost-observation policy (:func:`lost_policy`). Changes
+    nothing: the kernel returns a fresh carry array.
+
+    Raises:
+        ResetRowError: a row that should be a reset row is not one.
+        TerminalObservationLostError, InputError: see :func:`lost_policy`.
+    """
+    layout = call.layout
+    k = run_plan(call.flags(options), call.carry.per_stream, call.rules)
+    if k.bad_row >= 0:
+        stream = int(layout.stream_of(np.array([k.bad_row]))[0])
+        raise bad_reset_row(k.bad_row, stream, bool(call.done[k.bad_row]))
+    release = Release.of(call.carry, k.released_src, options.done_key)
+    policy = lost_policy(
+        options,
+        call.obs_keys,
+        call.views.tensors,
+        k.n_lost + k.n_next_lost + release.n_lost,
+        final_missing=options.mode == "same_step",
+    )
+    if policy == "drop":
+        release = release.without_lost()
+    return Plan(
+        k.sel, k.released_src, k.carry, k.n_drop, k.n_lost, k.n_next_lost, k.n_done,
+        release, policy,
+    )  # fmt: skip

@@ -13,6 +13,45 @@ What depends on the batch's layout and key set (the row-to-stream map, the
 observation keys, the reset groups, the rules) is worked out once and
 cached; per call there remain the flag views, the stream ends and the
 checks that compare them with the carry.
+
+Layouts. A layout turns a batch into flat rows (C order over the batch dimensions) and
+gives each row a dense stream index. Three layouts exist:
+
+* ``time_last``: batch ``[*E, T]``; each index of ``*E`` is a stream, stable
+  across calls. A 1-D batch named ``["time"]``, or of length one (what
+  ``ReplayBuffer.add`` passes), is a single stream.
+* ``step``: batch ``[E]``; each call is one step of ``E`` streams.
+* ``stream_key``: batch ``[N]``; a per-row key holds the stream id.
+
+Flags. Each returns a numpy array with one entry per row of the call, or an empty
+array when the call has nothing of that kind (the kernel then skips it).
+
+A batch written again. A replay buffer runs the filter, then writes what the filter returned. If
+that write fails (a full disk, a storage that raises), the filter has
+already moved on: the held rows it released in that call, and its flags,
+belong to rows that never reached the buffer. A user who writes the same
+batch again gets those rows again: the cleaner keeps what it was before its
+last call, and when a call brings that call's batch again it goes back to
+it first (:meth:`cleanbuf.engine._cleaner.Cleaner._call_with_retry`).
+
+The batch is recognised by the first row of each stream: its observation,
+and its trajectory id where the rows have TorchRL's
+``("collector", "traj_ids")`` (read with the stream ends,
+:func:`cleanbuf.engine._continuity.read_ends`). With trajectory ids it is
+checked on every call. Where the filter sees that the last call's rows
+reached the buffer
+(:meth:`cleanbuf.engine._cleaner.Cleaner.last_call_stored`), the same batch
+again is a duplicate and raises :class:`~cleanbuf.ContinuityError`. An
+id alone is not enough: a stream keeps its id for a whole episode, so two
+batches in a row start with the same ids whenever
+no episode ended between their starts (every batch of a 200-step Pendulum
+episode collected 8 steps at a time). The observation tells them apart: the
+next batch starts where the last one ended. Only an env whose observation
+did not change over a whole batch, in every stream, looks the same. Without
+trajectory ids the fingerprint is checked only when the call fails: a
+repeated batch does not follow the streams, so the continuity check or the
+reset-row check refuses it, unless every stream ended or restarted right at
+its start; such a repeat is not recognised.
 """
 
 from __future__ import annotations
@@ -40,6 +79,7 @@ from cleanbuf.engine._kernels import (
     SHIFT,
     UNSTORED_MARKS,
     WAITING,
+    Flags,
     Rules,
     read_fills,
 )
@@ -535,8 +575,8 @@ class Call:
     schema: dict = dataclasses.field(default_factory=dict)  # obs key -> (dtype, feature shape)
     as_is: bool = True  # nothing to clean: the rows pass through as views
 
-    def kernel_flags(self, options: Options) -> dict:
-        """The per-row flags and switches of the planning kernel for this call."""
+    def flags(self, options: Options) -> Flags:
+        """The rows, per-row flags and switches of the planning kernel for this call."""
         views, layout = self.views, self.layout
         marks = NO_MARKS
         if self.rules.marks and (len(self.restart) > 0 or self.ends is not None):
@@ -546,7 +586,11 @@ class Call:
         group = 0
         if options.joint_reset and options.joint_key is None:
             group = options.reset_group_size or layout.n_streams
-        return dict(
+        return Flags(
+            n=layout.n_rows,
+            steps=layout.steps,
+            stream=layout.stream,
+            done=self.done,
             stored=self.stored(options),
             joint=joint_rows(options, views, self.done),
             group=group,

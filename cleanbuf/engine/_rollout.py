@@ -146,13 +146,13 @@ class Rollouts:
             out.set(self.mask_key, torch.zeros(td.batch_size, dtype=torch.bool, device=td.device))
             return out
         cleaner = self.cleaner
-        call = cleaner._read(td)
+        call = cleaner.read(td)
         n = call.layout.n_rows
         rows = _Rows({k: call.views.flat(k).clone() for k in call.moved}, np.zeros(n, np.int8))
         if call.carry is None:  # disabled mode: nothing to repair
             return self._emit(td, rows, hold=False, counts={})
         call.rules = call.rules._replace(drop_lost=False)  # lost rows are masked, not gone
-        plan = cleaner._plan(call)
+        plan = cleaner.plan(call)
         counts = self._patch(call, plan, rows)
         held = self._release(call, plan, counts)
         hold = plan.sel.hold
@@ -161,7 +161,7 @@ class Rollouts:
             idx = torch.from_numpy(hold)
             new_held = {k: call.views.flat(k).index_select(0, idx.to(v.device))
                         for k, v in call.moved.items()}  # fmt: skip
-        cleaner._commit(call, plan, new_held)  # nothing raises from here on
+        cleaner.commit(call, plan, new_held)  # nothing raises from here on
         self._held = held
         return self._emit(td, rows, hold=call.rules.hold_done, counts=counts)
 
@@ -332,7 +332,7 @@ class Rollouts:
         """
         if self._held is None:
             return None
-        carry = self.cleaner._carry
+        carry = self.cleaner.carry
         streams = carry.held_stream  # the held column's waiting rows
         if len(streams):
             held, opts = self._held, self.options

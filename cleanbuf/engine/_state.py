@@ -6,6 +6,17 @@ only when the call succeeds, so a failed call leaves the state as it was.
 Also the checks of a saved state (:func:`check_state`,
 :func:`same_options`) and how the held rows change in a call
 (:func:`kept_held`).
+
+Per stream: whether a reset row comes next (``pending``), whether a held row
+waits for the next row as its next observation's source (``waiting``),
+whether the next kept row starts an auto-reset episode (``need_init``), the
+step-count shift of the current episode (``shift``), whether the held
+row's end is an undecided collector mark (``marked``); the held rows
+themselves; and, for stream-key data, the stream id of each slot. All of it
+is small (a few values per stream and at most one row per stream).
+
+The per-stream values live in one ``int64[5, S]`` array, the form the
+planning kernel reads and returns (one array to pass instead of four).
 """
 
 from __future__ import annotations

@@ -8,6 +8,25 @@ can be), the gathers that move the kept rows into fresh tensors
 ``is_init``, step counts) and :class:`BufferPool`, which recycles the
 large output buffers. Nothing here decides anything: the plan says which
 rows, from where.
+
+Moving rows. Rows move with ``torch.index_select`` into a preallocated output (faster
+than the numba copiers it was measured against). Rows of at most
+``SMALL_ROW_BYTES`` on the CPU (flags, rewards, step counts, MuJoCo-like
+observations and actions) move with numpy's ``take`` instead: for them
+torch's dispatch costs more than the copy. The measurements behind both
+choices are in ``bench/README.md`` ("Design measurements"). Only the flags
+ever visit the CPU; on a CUDA device the rows never leave it.
+
+Reused buffers. A fresh allocation of a large output (an Atari-like batch is about 58 MB)
+costs more in page faults than the copy itself. The pool keeps one buffer
+per key and hands it out again only when nothing else references its
+memory any more: a tensor storage copies what it is given and drops it, so
+the buffer is free again at the next call; a ``ListStorage`` (or a user)
+that keeps the rows keeps the memory referenced, and the pool then
+allocates a new buffer instead of overwriting rows someone still holds.
+
+Patches. Everything here writes into fresh tensors made for the output (or the held
+rows); the caller's batch is never written.
 """
 
 from __future__ import annotations
