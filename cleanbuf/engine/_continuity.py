@@ -1,5 +1,9 @@
 """Stream ends: what each call's first and last rows say, read in one kernel pass.
 
+Part of the read step (read -> plan -> write): the facts a call's read
+compares with the state's last rows (:class:`LastRows`, kept in the
+:class:`~cleanbuf.engine._state.Carry`).
+
 Within a stream, a row's stored next observation is the next row's
 observation, byte for byte, unless the row ended an episode. So the first
 row of a stream in a call must have, as its observation, the next

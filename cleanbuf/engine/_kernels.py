@@ -4,7 +4,7 @@ The plan step (:mod:`cleanbuf.engine._plan`) calls both at once through
 :func:`run_plan`, which takes and returns named tuples (:class:`Rules`,
 :class:`Flags`, :class:`KernelResult`) around the plain :func:`plan_rows`. Nothing here
 knows about TensorDicts, keys or torch. Validation happens in the Python
-callers (``_cleaner.py``) before a kernel runs; the kernels assume
+callers (``_read.py``, ``_plan.py``) before a kernel runs; the kernels assume
 well-formed input and never raise. They are checked against
 the row-by-row reference cleaner in ``tests/reference.py`` on random
 streams.

@@ -1,4 +1,8 @@
-"""Reading a batch: its leaves as flat rows, its done flags, its observation keys."""
+"""Reading a batch: its leaves as flat rows, its done flags, its observation keys.
+
+Part of the read step (read -> plan -> write; :mod:`cleanbuf.engine._read`
+puts it together), and the observation-key rule the offline side shares.
+"""
 
 from __future__ import annotations
 

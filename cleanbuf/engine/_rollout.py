@@ -1,5 +1,10 @@
 """Rollouts kept whole: the cleaner's plan written into the batch, time axis kept.
 
+The second writer of the step (read -> plan -> **write**): it reads, plans
+and commits through :class:`~cleanbuf.engine._cleaner.Cleaner`'s public
+``read``, ``plan`` and ``commit``, and writes the plan in place of
+:mod:`cleanbuf.engine._write`'s flat rows.
+
 The filter's output form drops rows; on-policy learners need the ``[*E, T]``
 batch their value estimators walk. This second output form reads and plans a
 call with the same :class:`~cleanbuf.engine._cleaner.Cleaner` (the same
