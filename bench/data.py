@@ -8,8 +8,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.envs.transforms import Transform
 
-from cleanbuf.engine._move import SMALL_ROW_BYTES
-from cleanbuf.engine._patch import ROW_LOOP_BYTES, as_td
+from cleanbuf.engine._write import ROW_LOOP_BYTES, SMALL_ROW_BYTES, as_td
 
 E, T = 8, 128
 

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cleanbuf import AutoresetFilter
-from cleanbuf.engine import _move, _patch
+from cleanbuf.engine import _write
 from tests.batches import KEYS, assert_same_rows, grid_td
 from tests.reference import FIELDS, reference_clean, simulate
 
@@ -367,7 +367,7 @@ def torch_ops_only():
     def none(t):
         return None
 
-    with mock.patch.object(_move, "numpy_view", none):
+    with mock.patch.object(_write, "numpy_view", none):
         yield
 
 
@@ -391,7 +391,7 @@ def test_numpy_and_torch_paths_agree(seed, n, steps, variant, joint, wide, data)
     the wrong rows, a fancy-index assignment that writes into a copy), a
     small-row gather that returns another shape or dtype than index_select,
     the row-by-row copy of large observation rows (``wide``: 16 KiB a row,
-    ``_patch.ROW_LOOP_BYTES``) pairing a position with another row's source.
+    ``_write.ROW_LOOP_BYTES``) pairing a position with another row's source.
     """
     mode, obs_only, compact = variant
     joint = joint and mode == "next_step"
@@ -399,7 +399,7 @@ def test_numpy_and_torch_paths_agree(seed, n, steps, variant, joint, wide, data)
     raw, _ = simulate(rng, n, steps, mode=mode, group=n if joint else None, final_missing=0.2)
     td = grid_td(raw, (n,), final=mode == "same_step", obs_only=obs_only)
     if wide:  # each observation value v becomes the row v, v + 1, ..., v + 4095
-        width = _patch.ROW_LOOP_BYTES // 4  # (a zero-filled row stays zero-filled)
+        width = _write.ROW_LOOP_BYTES // 4  # (a zero-filled row stays zero-filled)
         for k in list(td.keys(True, True)):
             if (k if isinstance(k, str) else k[-1]) in ("observation", "final_obs"):
                 v = td.get(k)

@@ -1,8 +1,24 @@
 """The engine: cleaning rules on plain arrays and TensorDicts, with no producer in view.
 
-numba kernels plan a call from flags (``_kernels``); the stateful
-:class:`~cleanbuf.engine._cleaner.Cleaner` reads a batch, runs the plan,
-moves and patches the kept rows, and keeps the carry state between calls.
+A call is one step, read -> plan -> write, over a state that the call
+replaces only when it succeeds. The modules, in the order of the step:
+
+* ``_options``: the validated options; ``_errors``: the exceptions;
+  ``_compat``: what torch and tensordict do not promise.
+* ``_kernels``: the numba kernels on plain arrays, and the named tuples
+  they take and give (``Rules``, ``Flags``, ``KernelResult``).
+* ``_state``: the carry state a cleaner keeps between calls, and its held
+  rows.
+* ``_keys``: a batch's leaves, done flags, observation keys and final
+  entries; ``_continuity``: its stream ends, checked against the state.
+* ``_read``: reading one call's batch into a checked ``Call``.
+* ``_plan``: the plan of a call (the kernel, the released held rows, the
+  lost-observation policy), from flags only.
+* ``_write``: the rows writer (the filter's flat rows); ``_rollout``: the
+  rollout writer (the repair's ``[*E, T]`` batch).
+* ``_cleaner``: the stateful ``Cleaner`` that runs the step, call after
+  call, producer by producer, and goes back on a batch written again.
+
 Nothing here imports torchrl or knows a file format: the online side
 (``cleanbuf.online``) and the offline side (``cleanbuf.offline``) both feed
 it.

@@ -1,54 +1,84 @@
 """The stateful cleaner: TensorDict in, flat cleaned rows out.
 
-A call reads like this (:meth:`Cleaner._clean`):
+A call is one step over the producer's :class:`~cleanbuf.engine._state.Carry`
+(:meth:`Cleaner._clean`):
 
-1. **read** the batch (:mod:`cleanbuf.engine._read`): its layout (which rows
-   belong to which stream), its done flags and observation keys, the rows
-   that restart a stream, its stream ends (one kernel pass), and check them
-   all; a batch with nothing to clean passes through as views;
-2. **plan** it with the numba kernel, from flags only
-   (:mod:`cleanbuf.engine._kernels`): which rows to drop, hold or emit, and where
-   each next observation comes from;
-3. **release** the rows held by earlier calls that this call completes;
-4. **move** the kept rows into fresh tensors;
-5. **patch** their next observations and bookkeeping (never the caller's
-   batch);
-6. **commit** the carry state and the counters.
+1. **read** the batch (:meth:`Cleaner.read`, :mod:`cleanbuf.engine._read`):
+   its layout, flags, observation keys, stream ends, all checked; a batch
+   with nothing to clean passes through as views;
+2. **plan** it (:meth:`Cleaner.plan`, :mod:`cleanbuf.engine._plan`): the
+   numba kernel decides from flags only which rows to drop, hold or emit,
+   where each next observation comes from, and which held rows this call
+   releases;
+3. **write** the rows (:mod:`cleanbuf.engine._write`): move the kept rows
+   into fresh tensors, patch their next observations and bookkeeping
+   (never the caller's batch);
+4. **commit** (:meth:`Cleaner.commit`): the call's carry becomes current and
+   the counters count it.
 
 Everything that raises does so before the commit, so a failed call changes
 nothing. Around a call, :meth:`Cleaner.__call__` picks the producer's carry
-(``producer_key``, :mod:`cleanbuf.engine._groups`) and goes back to before the last
-call when that call's batch comes again (:mod:`cleanbuf.engine._retry`).
+(batches from several producers in turn, :meth:`Cleaner._clean_routed`)
+and goes back to before the last call when that call's batch comes again
+(a write into the buffer failed and the batch is written again,
+:meth:`Cleaner._call_with_retry`). :meth:`Cleaner.flush` releases the held
+rows at the end of collection.
+
+Several producers. With ``producer_key`` (TorchRL's trajectory ids), or inside a Ray actor,
+the cleaner keeps one carry per producer: each worker of a
+``MultiAsyncCollector`` whose batches are extended from the parent, one
+worker's ``[E, T]`` batch at a time, or each Ray collector extending one
+Ray replay buffer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from cleanbuf.engine import _checks
-from cleanbuf.engine._carry import Carry
 from cleanbuf.engine._errors import (
     CleanbufError,
     ContinuityError,
+    InputError,
     LayoutError,
     ResetRowError,
     StateError,
 )
-from cleanbuf.engine._flush import flush_carry
-from cleanbuf.engine._groups import clean_routed, producer_key
-from cleanbuf.engine._kernels import NEED_INIT, PENDING, Selection, plan_rows
-from cleanbuf.engine._move import Views
+from cleanbuf.engine._kernels import (
+    JOINT_MARK,
+    MARK,
+    MARKED,
+    MARKS_SEEN,
+    NEED_INIT,
+    PENDING,
+    WAITING,
+)
+from cleanbuf.engine._keys import TRAJ_IDS, done_flags, observation_keys
 from cleanbuf.engine._options import LOST_POLICIES, Options
-from cleanbuf.engine._patch import as_td, fix_bookkeeping, move, write_next_obs
-from cleanbuf.engine._pool import BufferPool
-from cleanbuf.engine._read import Call, Reader
-from cleanbuf.engine._release import Release, kept_held
-from cleanbuf.engine._retry import Undo, call_with_retry
+from cleanbuf.engine._plan import Plan, lost_policy
+from cleanbuf.engine._plan import plan as plan_call
+from cleanbuf.engine._read import (
+    Call,
+    Fingerprint,
+    Reader,
+    SameBatchAgain,
+    restart_rows,
+    stored_rows,
+    time_first_hint,
+)
+from cleanbuf.engine._state import Carry, kept_held, same_options
+from cleanbuf.engine._write import (
+    BufferPool,
+    Views,
+    as_td,
+    fill_rows,
+    fix_bookkeeping,
+    move,
+    write_next_obs,
+)
 
 STAT_NAMES = (
     "rows_in",
@@ -61,20 +91,6 @@ STAT_NAMES = (
     "rows_held",
     "episodes_completed",
 )
-
-
-class _Plan(NamedTuple):
-    """What the kernel planned for a call, and what it means for the held rows."""
-
-    sel: Selection
-    released_src: np.ndarray
-    per_stream: np.ndarray
-    n_drop: int
-    n_lost: int
-    n_next_lost: int
-    n_done: int
-    release: Release
-    policy: str
 
 
 class Cleaner:
@@ -132,17 +148,17 @@ class Cleaner:
         """Cleans one call's batch; returns the rows to store, flat ``[M]``.
 
         A batch that comes again right after its call (its write into the
-        buffer failed, :mod:`cleanbuf.engine._retry`) is cleaned as if that
+        buffer failed, :meth:`_call_with_retry`) is cleaned as if that
         call had not happened: the rows it released come again.
         """
         if isinstance(td, TensorDictBase) and td.batch_dims and td.batch_size[-1] == 0:
             # No row ([E, 0], or no env of a step): nothing to clean, nothing changes.
             return TensorDict({}, batch_size=[0], device=td.device)
-        return call_with_retry(self, td, self._call_once)
+        return self._call_with_retry(td)
 
     @property
     def _fingerprint(self):
-        """The fingerprint of the call read last (:mod:`cleanbuf.engine._retry`)."""
+        """The fingerprint of the call read last (see :meth:`_call_with_retry`)."""
         return self._reader.fingerprint
 
     def _call_once(self, td: TensorDictBase) -> TensorDictBase:
@@ -151,26 +167,31 @@ class Cleaner:
         try:
             if key is None:
                 return self._clean(td)
-            return clean_routed(self, td, key, self._clean)
+            return self._clean_routed(td, key)
         except (LayoutError, ResetRowError, ContinuityError) as err:
-            hint = _checks.time_first_hint(td, self.options)
+            hint = time_first_hint(td, self.options)
             if not hint:
                 raise
             raise type(err)(f"{hint} {err}") from None
 
     def _clean(self, td: TensorDictBase) -> TensorDictBase:
         """Cleans one batch against ``self._carry``; commits only on success."""
-        call = self._read(td)
+        call = self.read(td)
         if call.as_is:
             return self._pass_through(call)
-        plan = self._plan(call)
+        plan = self.plan(call)
         out, new_held = self._move(call, plan)
         self._patch(call, plan, out, new_held)
-        self._commit(call, plan, new_held)
+        self.commit(call, plan, new_held)
         return as_td(out.tensors, len(plan.release) + len(plan.sel.emit), call.device)
 
     # ------------------------------------------------------ 1. read and check
-    def _read(self, td: TensorDictBase) -> Call:
+    @property
+    def carry(self) -> Carry:
+        """The carry state of the producer of the last call (read it; never write it)."""
+        return self._carry
+
+    def read(self, td: TensorDictBase) -> Call:
         """Reads and checks a batch (:class:`cleanbuf.engine._read.Reader`); changes nothing."""
         before = self._undo.fingerprint if self._undo is not None else None
         return self._reader.read(td, self._carry, before)
@@ -199,43 +220,15 @@ class Cleaner:
         return as_td(rows, layout.n_rows, call.device)
 
     # -------------------------------------------------------------- 2. plan
-    def _plan(self, call: Call) -> _Plan:
-        """Runs the planning kernel; reads what it says of the held rows."""
-        opts, layout, rules = self.options, call.layout, call.rules
-        sel, released_src, per_stream, n_drop, n_lost, n_next_lost, n_done, bad_row = plan_rows(
-            n=layout.n_rows,
-            steps=layout.steps,
-            stream=layout.stream,
-            done=call.done,
-            **call.kernel_flags(opts),
-            carry=call.carry.per_stream,
-            reset_rows=rules.reset_rows,
-            successor=rules.successor,
-            final=rules.final,
-            stitch=rules.stitch,
-            hold_done=rules.hold_done,
-            drop_lost=rules.drop_lost,
-        )
-        if bad_row >= 0:
-            stream = int(layout.stream_of(np.array([bad_row]))[0])
-            raise _checks.bad_reset_row(bad_row, stream, bool(call.done[bad_row]))
-        release = Release.of(call.carry, released_src, opts.done_key)
-        policy = _checks.lost_policy(
-            opts,
-            call.obs_keys,
-            call.views.tensors,
-            n_lost + n_next_lost + release.n_lost,
-            final_missing=opts.mode == "same_step",
-        )
-        if policy == "drop":
-            release = release.without_lost()
-        return _Plan(
-            Selection(*sel), released_src, per_stream, n_drop, n_lost, n_next_lost, n_done,
-            release, policy,
-        )  # fmt: skip
+    def plan(self, call: Call) -> Plan:
+        """Plans a call that :meth:`read` returned (:func:`cleanbuf.engine._plan.plan`).
+
+        Changes nothing.
+        """
+        return plan_call(call, self.options)
 
     # ---------------------------------------------------------- 3-4. move
-    def _move(self, call: Call, plan: _Plan) -> tuple[Views, dict]:
+    def _move(self, call: Call, plan: Plan) -> tuple[Views, dict]:
         """Gathers the output rows and the rows to hold.
 
         The output has the released held rows first, then the emitted rows;
@@ -259,7 +252,7 @@ class Cleaner:
         )  # fmt: skip
 
     # -------------------------------------------------------------- 5. patch
-    def _patch(self, call: Call, plan: _Plan, out: Views, new_held: dict) -> None:
+    def _patch(self, call: Call, plan: Plan, out: Views, new_held: dict) -> None:
         """Writes next observations, ``is_init`` and step counts into the copies."""
         opts, sel, release = self.options, plan.sel, plan.release
         n_rel = len(release)
@@ -274,7 +267,7 @@ class Cleaner:
             fix_bookkeeping(Views(new_held), 0, sel.hold_init, sel.hold_shift, *keys)
 
     # ------------------------------------------------------------- 6. commit
-    def _commit(self, call: Call, plan: _Plan, new_held: dict) -> None:
+    def commit(self, call: Call, plan: Plan, new_held: dict) -> None:
         """Makes the call's carry state current and counts the call.
 
         Nothing here raises. (The kernel returned a fresh carry array, so
@@ -367,7 +360,7 @@ class Cleaner:
         if self._undo is None or self._undo.stored:
             return False
         last, self._undo = self._undo, None
-        last.restore(self)
+        self._restore(last)
         return True
 
     def flush(self, on_lost_terminal_obs: str | None = None) -> TensorDictBase:
@@ -424,7 +417,7 @@ class Cleaner:
                 f"state field 'options': expected a dict, got {type(options).__name__}. "
                 "Pass what state_dict() returned, unchanged."
             )
-        _checks.same_options(options, self.options)
+        same_options(options, self.options)
         producers = state.get("producers", ())
         if not isinstance(producers, (list, tuple)):
             raise StateError(
@@ -435,6 +428,129 @@ class Cleaner:
         stats = _checked_stats(state.get("stats"), groups or [carry])
         self._carry, self._groups, self._undo = carry, groups, None
         self._stats = dict.fromkeys(STAT_NAMES, 0) | stats
+
+    # ------------------------------------------------ a batch written again
+    def _snapshot(self) -> Undo:
+        """What this cleaner is now (to go back to it).
+
+        A call replaces its carries or their fields and never writes into
+        them, so shallow copies do.
+        """
+        return Undo(self._carry.snapshot(), [g.snapshot() for g in self._groups], dict(self._stats))
+
+    def _restore(self, undo: Undo) -> None:
+        """Puts this cleaner back as it was at :meth:`_snapshot`."""
+        self._carry, self._groups, self._stats = undo.carry, undo.groups, undo.stats
+
+    def _call_with_retry(self, td: TensorDictBase) -> TensorDictBase:
+        """:meth:`_call_once`, going back first if ``td`` is the last call's batch.
+
+        A replay buffer runs the filter, then writes what the filter
+        returned. If that write fails, the held rows the call released and
+        its flags belong to rows that never reached the buffer: a user who
+        writes the same batch again gets those rows again. The read step
+        raises :class:`~cleanbuf.engine._read.SameBatchAgain` when the rows'
+        fingerprint (with trajectory ids) says so; a call that fails
+        otherwise is retried from before the last call when its fingerprint
+        matches that call's. A call that fails leaves the cleaner as it was.
+        """
+        undo = self._snapshot()
+        try:
+            out = self._call_once(td)
+        except (SameBatchAgain, CleanbufError) as err:
+            fingerprint = self._fingerprint
+            again = self._undo is not None and (
+                isinstance(err, SameBatchAgain) or (fingerprint is not None and fingerprint.again)
+            )
+            if not again:
+                raise
+            if self._undo.stored:
+                self._refuse_stored_again(td, undo, err)
+            last, self._undo = self._undo, None
+            self._restore(last)
+            retry = self._snapshot()
+            try:
+                out = self._call_once(td)
+            except CleanbufError:
+                self._restore(undo)  # as before this call, which changes nothing
+                self._undo = last
+                if isinstance(err, SameBatchAgain):
+                    raise
+                raise err from None
+            undo = retry
+        undo.fingerprint = self._fingerprint
+        self._undo = undo
+        return out
+
+    def _refuse_stored_again(self, td: TensorDictBase, undo: Undo, err: Exception) -> None:
+        """Raises for a call that looks like the last one again, whose rows were stored.
+
+        The first rows alone may match another batch (a fresh start of every
+        stream looks the same each time): it is the same batch if it cleans
+        from where the last call started. Either way the cleaner is left as
+        it was.
+        """
+        last, self._undo = self._undo, None
+        self._restore(last)
+        try:
+            self._call_once(td)
+        except (SameBatchAgain, CleanbufError):
+            same = False
+        else:
+            same = True
+        self._restore(undo)
+        self._undo = last
+        if same:
+            raise written_twice() from None
+        if isinstance(err, SameBatchAgain):
+            raise written_twice() from None
+        raise err
+
+    # ------------------------------------------------- several producers
+    def _clean_routed(self, td: TensorDictBase, key: tuple) -> TensorDictBase:
+        """:meth:`_clean` against the carry of the batch's producer.
+
+        With several producers, the batch goes to the first producer it
+        continues (:func:`candidates`); :meth:`_clean` changes nothing when
+        it refuses one. When the producers draw trajectory ids from one pool
+        (``producer_key``), a batch sharing ids with producers it does not
+        continue is refused (a skipped or repeated batch); when they may
+        share ids (``many_producers``), it starts a new one.
+        """
+        groups = self._groups
+        first, last = trajectory_ends(td, key)
+        restarts = None
+        if self.many_producers and self.options.producer_key is None:
+            restarts = first_restarts(td, self.options)  # pools of their own: ids shared by chance
+        matching, others = candidates(groups, first, restarts)
+        refused = None
+        for group in matching:
+            try:
+                out = self._clean_as(group, td)
+                break
+            except ContinuityError as err:
+                refused = refused or err
+        else:
+            if refused is not None and not self.many_producers:
+                raise refused
+            for group in others:  # the last, a new producer, refuses nothing
+                try:
+                    out = self._clean_as(group, td)
+                    break
+                except ContinuityError:
+                    continue  # an id it shares by chance: its open streams say no
+        self._carry.traj_ids = last
+        if group == len(groups):
+            groups.append(self._carry)
+        groups[group] = self._carry
+        self._stats["rows_held"] = sum(len(c.held_stream) for c in groups)
+        return out
+
+    def _clean_as(self, group: int, td: TensorDictBase) -> TensorDictBase:
+        """:meth:`_clean` against producer ``group``'s carry (a new one past the last)."""
+        groups = self._groups
+        self._carry = groups[group] if group < len(groups) else Carry()
+        return self._clean(td)  # commits into self._carry, or raises having changed nothing
 
     # ----------------------------------------------------------- helpers
     def _commit_layout(self, layout) -> None:
@@ -465,3 +581,208 @@ def _checked_stats(stats, carries: list) -> dict:
             f"{stats.get('rows_held')!r}. {fix}"
         )
     return {k: int(v) for k, v in stats.items()}
+
+
+@dataclasses.dataclass
+class Undo:
+    """What a cleaner was before a call, and that call's fingerprint."""
+
+    carry: object
+    groups: list
+    stats: dict
+    fingerprint: Fingerprint | None = None
+    stored: bool = False  # the call's rows reached the buffer: the batch again is a duplicate
+
+
+def written_twice() -> ContinuityError:
+    """The error for a batch that comes again after its rows were stored."""
+    return ContinuityError(
+        "this batch is the one the last call cleaned (the same first row in every stream), "
+        "and that call's rows were stored: it was written twice. Expected the next batch of "
+        "each stream, got the last one again. Write each batch once (a batch whose write "
+        "into the buffer failed may be written again; this one's write succeeded). Nothing "
+        "was written."
+    )
+
+
+def trajectory_ends(td: TensorDictBase, key: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """The trajectory ids of the first and of the last row of each stream.
+
+    Raises:
+        InputError: the batch is not ``[*E, T]`` or has no such key.
+    """
+    ids = td.get(key, None) if td.batch_dims >= 2 else None  # get: see Cleaner._producer_key
+    if ids is None:
+        raise InputError(
+            f"producer_key={key!r} needs [*E, T] batches holding that key (TorchRL's "
+            f"trajectory ids); got batch_size={list(td.batch_size)} and keys "
+            f"{sorted(td.keys(True, True), key=str)}. Extend the buffer with the "
+            "collector's batches as they come."
+        )
+    ids = ids.reshape(*td.batch_size).reshape(-1, td.batch_size[-1])
+    return ids[:, 0].cpu().numpy(), ids[:, -1].cpu().numpy()
+
+
+def first_restarts(td: TensorDictBase, options: Options) -> np.ndarray | None:
+    """Per stream, whether the batch's first row starts an episode after a real reset.
+
+    :func:`cleanbuf.engine._read.restart_rows` of each stream's first row; None
+    when the batch says nothing of resets. ``td`` is ``[*E, T]``.
+    """
+    dim = td.batch_dims - 1  # time
+    first = {}
+    for key in (options.is_init_key, options.step_count_key):
+        value = td.get(key, None) if key is not None else None  # (a lazy stack: get, not keys)
+        if value is not None:
+            first[key] = value.select(dim, 0)
+    restart = restart_rows(options, Views(first, dim, int(np.prod(td.batch_size[:-1]))))
+    return restart if len(restart) else None
+
+
+def candidates(
+    groups: list[Carry], first_ids: np.ndarray, restarts: np.ndarray | None = None
+) -> tuple[list[int], list[int]]:
+    """The producers a batch may continue, most likely first.
+
+    Within a producer, a stream keeps its trajectory id until its episode
+    ends, and a new episode takes an id above every id the producer gave
+    before. A producer's batch therefore has, on each stream, the id of the
+    stream's last row, or (the stream ended at the batch boundary) a larger
+    id than any of its last rows. When the producers draw ids from one pool
+    (a multi-process collector's workers do), a shared id names the
+    producer; producers with pools of their own (each Ray collector has one)
+    can share ids, so the observations decide among the candidates (the
+    cleaner's continuity check). A batch whose every stream ended at the
+    boundary shares no id: the producers it is consistent with come next,
+    the one whose ids are closest below the batch's first, then any
+    producer with nothing held, pending or open, and a new one.
+
+    ``restarts`` (producers with pools of their own) says which streams
+    start an episode after a real reset in the batch's first row. Such an
+    episode has a new id, so a producer whose last id it repeats shares it
+    by chance: it comes after the producers the batch is consistent with
+    (its continuity check would pass, a restart continuing anything).
+
+    An episode's end changes its id too (a collector's batch-end mark
+    aside), so a producer sharing the batch's ids only on streams that
+    ended comes after one sharing them on open streams.
+
+    Returns:
+        ``(matching, others)``: the consistent producers sharing an id with
+        the batch on an open stream, then those sharing one only on ended
+        streams; then the other consistent ones, those sharing an id by
+        chance, the blank ones and ``len(groups)`` (a new producer).
+
+    Examples:
+        >>> a, b = Carry(traj_ids=np.array([3, 4])), Carry(traj_ids=np.array([5, 6]))
+        >>> candidates([a, b], np.array([7, 6]))  # stream 1 continues trajectory 6
+        ([1], [0, 2])
+        >>> candidates([a, b], np.array([3, 6]))  # 6 > 4, but 3 < 6: a (b, blank, as new)
+        ([0], [1, 2])
+        >>> candidates([a, b], np.array([8, 9]))  # every stream restarted: closest first
+        ([], [1, 0, 2])
+        >>> candidates([], np.array([8, 9]))  # the first producer
+        ([], [0])
+        >>> candidates([a, b], np.array([5, 6]), restarts=np.array([True, True]))
+        ([], [0, 1, 2])
+    """
+    matching, ended, restarted, by_chance = [], [], [], []
+    for g, carry in enumerate(groups):
+        last = carry.traj_ids
+        if len(last) != len(first_ids):
+            continue
+        same = last == first_ids
+        if not np.all(same | (first_ids > last.max())):
+            continue
+        open_ = carry.last.open
+        if len(open_) != len(same):
+            open_ = np.zeros(len(same), np.bool_)
+        if np.any(open_ & ~same):
+            continue  # an open stream keeps its id
+        if restarts is not None and np.any(same & restarts):
+            by_chance.append(g)
+        elif np.any(same & open_):
+            matching.append(g)
+        elif same.any():  # only on ended streams (continuity cannot refuse those)
+            ended.append(g)
+        else:
+            restarted.append((int(first_ids.min() - last.max()), g))
+    matching += ended
+    blank = [g for g, carry in enumerate(groups) if carry.is_blank()]
+    others = [g for _, g in sorted(restarted)] + by_chance
+    others += [g for g in blank if g not in others and g not in matching]
+    return matching, [*others, len(groups)]
+
+
+def producer_key(options: Options, many_producers: bool, td: TensorDictBase) -> tuple | None:
+    """The key that tells the batch's producer, or None for one producer."""
+    key = options.producer_key
+    if key is not None or not many_producers:
+        return key
+    if options.layout in (None, "time_last") and td.batch_dims >= 2:
+        # get, not keys(): a LazyStackedTensorDict (a batch Ray carried)
+        # does not list its nested keys as containing them.
+        if td.get(TRAJ_IDS, None) is not None:
+            return TRAJ_IDS
+    return None
+
+
+def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
+    """Returns ``carry``'s held rows (flat ``[H]``), forgets them, and counts them.
+
+    A held row waits for the row after it: the reset row holding its
+    terminal observation (next-step data), or its successor
+    (observation-only data). At a flush that row will not come. A held done
+    row whose next observation is stored (read from the data, as
+    :func:`~cleanbuf.engine._read.stored_rows` reads it: a batch-end mark
+    still undecided, whose next observation is real) is complete and
+    returned as it is; any other held row has lost its next observation,
+    and the lost-observation policy applies (counted in
+    ``terminal_obs_missing`` for done rows and ``next_obs_missing`` for the
+    others). ``carry`` and ``stats`` are updated in place.
+    """
+    n_held = len(carry.held_stream)
+    if n_held == 0:
+        return TensorDict({}, batch_size=[0])
+    rows = dict(carry.held)  # ours, forgotten below: patched in place
+    bookkeeping = {k for k in (options.is_init_key, options.step_count_key) if k}
+    obs_keys, obs_only = observation_keys(rows, options.observation_keys, bookkeeping)
+    done = done_flags(Views(rows, 1, n_held), options.done_key)
+    if obs_only:
+        missing = np.ones(n_held, np.bool_)
+    elif options.terminal_obs_in_done_row:
+        missing = ~done
+    else:
+        stored = stored_rows(Views(rows, 1, n_held), obs_keys, done)
+        missing = ~stored if len(stored) else np.ones(n_held, np.bool_)
+    # A batch-end candidate still undecided, whose next observation is not
+    # stored. Where the producer showed that it marks batch ends (a mark of
+    # the stream turned out to be one), maybe no episode end at all: its
+    # next observation is missing. Else a real end, whose terminal
+    # observation was zero-filled: lost.
+    flags = carry.per_stream[MARKED][carry.held_stream]
+    marked = (flags & (MARK | JOINT_MARK)) != 0
+    done = done & ~(marked & ((flags & MARKS_SEEN) != 0))
+    n_terminal = int((missing & done).sum())
+    n_next = int((missing & ~done).sum())
+    policy = lost_policy(options, obs_keys, rows, n_terminal + n_next, False)
+    for k in obs_keys:
+        nk = ("next", *k)
+        if obs_only:
+            rows[nk] = torch.zeros_like(rows[k])
+        if policy == "nan" and missing.any():
+            fill_rows(Views(rows), nk, np.flatnonzero(missing), float("nan"))
+    keep = np.flatnonzero(~missing) if policy == "drop" else np.arange(n_held)
+    if len(keep) < n_held:
+        idx = torch.from_numpy(keep)
+        rows = {k: v.index_select(0, idx.to(v.device)) for k, v in rows.items()}
+    per_stream = carry.per_stream.copy()
+    per_stream[WAITING] = 0
+    carry.held, carry.held_stream, carry.per_stream = {}, np.zeros(0, np.int64), per_stream
+    stats["rows_out"] += len(keep)
+    stats["terminal_obs_missing"] += n_terminal
+    stats["next_obs_missing"] += n_next
+    stats["lost_rows_dropped"] += n_held - len(keep)
+    stats["episodes_completed"] += int((marked & done).sum())  # taken for real ends
+    stats["rows_held"] = 0
+    return as_td(rows, len(keep))

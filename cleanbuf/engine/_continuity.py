@@ -1,5 +1,9 @@
 """Stream ends: what each call's first and last rows say, read in one kernel pass.
 
+Part of the read step (read -> plan -> write): the facts a call's read
+compares with the state's last rows (:class:`LastRows`, kept in the
+:class:`~cleanbuf.engine._state.Carry`).
+
 Within a stream, a row's stored next observation is the next row's
 observation, byte for byte, unless the row ended an episode. So the first
 row of a stream in a call must have, as its observation, the next
@@ -12,9 +16,9 @@ skipped or repeated batch, or a reset the rows do not show.
 The same comparison decides a collector's batch-end mark (a first row that
 continues its stream after a done row means the done flag was only a mark),
 and the first rows are the fingerprint that recognises a batch written again
-(:mod:`cleanbuf.engine._retry`). :func:`read_ends` reads all three with one
-:func:`~cleanbuf.engine._kernels.stream_ends` call per observation key, over
-the rows' bytes.
+(:class:`cleanbuf.engine._read.Fingerprint`). :func:`read_ends` reads all
+three with one :func:`~cleanbuf.engine._kernels.stream_ends` call per
+observation key, over the rows' bytes.
 
 It needs time-aligned streams (``time_last`` and ``step`` layouts) and full
 transitions (observation-only rows have no next observation to compare;
@@ -30,7 +34,7 @@ import torch
 
 from cleanbuf.engine._errors import ContinuityError, key_name
 from cleanbuf.engine._kernels import stream_ends
-from cleanbuf.engine._move import Views, index_tensor
+from cleanbuf.engine._write import Views, index_tensor
 
 _NO_BYTES = np.zeros((0, 0), np.uint8)
 

@@ -1,8 +1,10 @@
 """numba kernels on plain arrays: the planning scan and the row selection.
 
-The cleaner calls both at once through :func:`plan_rows`. Nothing here
+The plan step (:mod:`cleanbuf.engine._plan`) calls both at once through
+:func:`run_plan`, which takes and returns named tuples (:class:`Rules`,
+:class:`Flags`, :class:`KernelResult`) around the plain :func:`plan_rows`. Nothing here
 knows about TensorDicts, keys or torch. Validation happens in the Python
-callers (``_cleaner.py``) before a kernel runs; the kernels assume
+callers (``_read.py``, ``_plan.py``) before a kernel runs; the kernels assume
 well-formed input and never raise. They are checked against
 the row-by-row reference cleaner in ``tests/reference.py`` on random
 streams.
@@ -43,10 +45,13 @@ same-step, obs-only      0           1          1      1       0
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
 from numba import njit
+
+from cleanbuf.engine._options import Options
 
 EMIT = 0
 DROP = 1
@@ -58,7 +63,6 @@ FINAL = 5
 CODE_MASK = 7
 INIT_BIT = 8  # set is_init on this row
 SHIFT_BIT = 16  # subtract 1 from this row's step counts
-
 # The rows of the carry state (int64[5, S], see plan).
 PENDING, WAITING, NEED_INIT, SHIFT, MARKED = range(5)
 # The values of the carry's MARKED row: an undecided mark (its group done with
@@ -72,7 +76,6 @@ NO_MARKS, ANY_MARKS, UNSTORED_MARKS = 0, 1, 2
 RELEASED_LOST = -2  # released with its next observation lost (a restart cut it off)
 RELEASED_AS_IS = -3  # released as stored (its end was only a collector's mark)
 RELEASED_STORED = -4  # released as stored (a real end whose terminal obs it holds)
-
 # An empty row index, shared (read-only) wherever a call has no such rows.
 NO_ROWS = np.zeros(0, np.int64)
 NO_ROWS.flags.writeable = False
@@ -98,7 +101,7 @@ def plan(n, steps, stream, done, stored, joint, group, final_ok, final_default, 
         done: bool[N], the row ends an episode.
         stored: bool[N] or empty (none): per done row, its next observation
             is stored (neither zero-filled nor NaN-filled: see
-            :func:`cleanbuf.engine._flags.stored_rows`), so it is the
+            :func:`cleanbuf.engine._read.stored_rows`), so it is the
             terminal observation. Next-step mode: such a row needs no reset
             row to complete it; it is emitted at once (a batch-end mark
             candidate is held to be decided, and kept as stored whatever is
@@ -595,3 +598,144 @@ def plan_rows(n, steps, stream, done, stored, joint, group, final_ok, final_defa
         code = code[:0]
     selection = select_rows(code, next_src, drop_lost)
     return selection, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row
+
+
+class Rules(NamedTuple):
+    """The kernel's mode flags for one kind of call (see :mod:`cleanbuf.engine._kernels`).
+
+    Attributes:
+        reset_rows: next-step data: a reset row follows each non-joint done row.
+        successor: observation-only data: a row's next observation is the
+            next row's observation.
+        final: same-step data: a done row's next observation is its
+            final-observation entry.
+        stitch: next observations are written (False for compact output).
+        hold_done: a next-step done row whose next observation is not
+            stored (zero- or NaN-filled, read per row from the data) waits
+            for its reset row. False only where the user declares every done
+            row complete (``terminal_obs_in_done_row=True``).
+        drop_lost: rows whose next observation is lost are not stored.
+        marks: a done, truncated, not terminated row on a call's last step
+            may be only a collector's batch-end mark (next-step time-last
+            batches, as TorchRL collectors write them): the next row
+            decides. Where the rows carry no collector trajectory ids (raw
+            loops, which never mark), only a row whose next observation is
+            not stored can be one (see the planning kernel's ``marks``).
+
+    Examples:
+        >>> Rules.of(Options(mode="next_step"), False, "time_last")
+        Rules(reset_rows=True, successor=False, final=False, stitch=True, hold_done=True, drop_lost=False, marks=True)
+        >>> Rules.of(Options(mode="next_step"), False, "step").marks  # no marks in one step
+        False
+        >>> Rules.of(Options(terminal_obs_in_done_row=True), False, "time_last").hold_done
+        False
+    """  # noqa: E501
+
+    reset_rows: bool
+    successor: bool
+    final: bool
+    stitch: bool
+    hold_done: bool
+    drop_lost: bool
+    marks: bool
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def of(options: Options, obs_only: bool, layout_kind: str | None) -> Rules:
+        """The flags for calls of ``layout_kind`` rows, observation-only or not."""
+        stitch = not (obs_only and options.compact)
+        same_step = options.mode == "same_step"
+        return Rules(
+            reset_rows=not same_step,
+            successor=obs_only and stitch,
+            final=same_step and stitch,
+            stitch=stitch,
+            hold_done=stitch and (obs_only or not options.terminal_obs_in_done_row),
+            drop_lost=options.on_lost_terminal_obs == "drop",
+            marks=not same_step
+            and layout_kind == "time_last"
+            and not options.terminal_obs_in_done_row,
+        )
+
+
+class Flags(NamedTuple):
+    """What the read step found in a call, as the planning kernel takes it.
+
+    The fields are :func:`plan`'s first arguments, in its order (see there):
+    the rows' layout (``n``, ``steps``, ``stream``), their done flags, and
+    the per-row flags and per-call switches read from the batch.
+    """
+
+    n: int
+    steps: int
+    stream: np.ndarray
+    done: np.ndarray
+    stored: np.ndarray
+    joint: np.ndarray
+    group: int
+    final_ok: np.ndarray
+    final_default: bool
+    reward: np.ndarray
+    restart: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    marks: int
+    cont: np.ndarray
+
+
+class KernelResult(NamedTuple):
+    """What :func:`run_plan` returns for one call.
+
+    Attributes:
+        sel: the rows to emit and to hold, and the patches they need.
+        released_src: int64[S], per stream: the call's row holding its held
+            row's next observation, ``RELEASED_*`` (lost, as is, stored), or
+            -1 (nothing released).
+        carry: the new carry state, int64[5, S] (a fresh array).
+        n_drop: reset rows dropped.
+        n_lost: done rows whose terminal observation is lost.
+        n_next_lost: other rows whose next observation is lost.
+        n_done: episode ends completed in this call.
+        bad_row: the first row that fails the reset-row check, or -1 (then
+            ``sel`` is empty).
+    """
+
+    sel: Selection
+    released_src: np.ndarray
+    carry: np.ndarray
+    n_drop: int
+    n_lost: int
+    n_next_lost: int
+    n_done: int
+    bad_row: int
+
+
+def run_plan(flags: Flags, carry: np.ndarray, rules: Rules) -> KernelResult:
+    """:func:`plan_rows` on named tuples: a call's flags and the mode's rules.
+
+    Args:
+        flags: the call's rows and flags.
+        carry: the carry state, int64[5, S] (not written: the kernel returns
+            a fresh one).
+        rules: the mode's flags (``marks`` is already read into
+            ``flags.marks``).
+
+    Examples:
+        >>> done = np.array([False, True, False, False])  # one stream, a reset row at 2
+        >>> flags = Flags(
+        ...     n=4, steps=4, stream=NO_ROWS, done=done, stored=np.zeros(0, np.bool_),
+        ...     joint=np.zeros(0, np.bool_), group=0, final_ok=np.zeros(0, np.bool_),
+        ...     final_default=False, reward=np.zeros(0), restart=np.zeros(0, np.bool_),
+        ...     terminated=np.zeros(0, np.bool_), truncated=np.zeros(0, np.bool_), marks=0,
+        ...     cont=np.zeros(0, np.uint8))
+        >>> rules = Rules(reset_rows=True, successor=False, final=False, stitch=True,
+        ...               hold_done=True, drop_lost=False, marks=False)
+        >>> out = run_plan(flags, np.zeros((5, 1), np.int64), rules)
+        >>> out.sel.emit.tolist(), out.sel.stitched_src.tolist(), out.n_drop
+        ([0, 1, 3], [2], 1)
+    """
+    r = rules
+    sel, *rest = plan_rows(
+        *flags, carry, r.reset_rows, r.successor, r.final, r.stitch, r.hold_done, r.drop_lost
+    )
+    return KernelResult(Selection(*sel), *rest)

@@ -1,4 +1,8 @@
-"""Reading a batch: its leaves as flat rows, its done flags, its observation keys."""
+"""Reading a batch: its leaves as flat rows, its done flags, its observation keys.
+
+Part of the read step (read -> plan -> write; :mod:`cleanbuf.engine._read`
+puts it together), and the observation-key rule the offline side shares.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
 from cleanbuf.engine._compat import tensordict_children
 from cleanbuf.engine._errors import InputError, key_name
-from cleanbuf.engine._move import Views
+from cleanbuf.engine._write import Views
 
 NEXT = "next"
 # TorchRL's trajectory ids: one id per trajectory, from one pool shared by
@@ -39,7 +43,7 @@ def may_be_observation(key: tuple) -> bool:
 def batch_leaves(td: TensorDictBase) -> dict:
     """Returns every tensor leaf of ``td``, as stored: ``[*batch, *feature]``.
 
-    The leaves are not flattened into rows here: :class:`cleanbuf.engine._move.Views`
+    The leaves are not flattened into rows here: :class:`cleanbuf.engine._write.Views`
     does that on first use, and only for the leaves that need it.
 
     Args:

@@ -1,40 +1,87 @@
-"""Reading one call's batch: its layout, flags, observation keys and stream ends, checked.
+"""The first part of a call's step: reading one batch, checked.
+
+read -> plan -> write, over a :class:`~cleanbuf.engine._state.Carry`.
+:meth:`Reader.read` turns a batch into a :class:`Call`: its layout (which
+rows belong to which stream, :func:`resolve`), its leaves as rows, its
+done, restart, reward and joint flags, its observation keys and final
+entries, its stream ends (one :func:`~cleanbuf.engine._continuity.read_ends`
+kernel pass) and its fingerprint (a batch written again), and every check
+a call must pass, each naming the key, what was expected, what came and
+the fix. Reading changes nothing.
 
 What depends on the batch's layout and key set (the row-to-stream map, the
 observation keys, the reset groups, the rules) is worked out once and
-cached; per call there remain the flag views, one
-:func:`~cleanbuf.engine._continuity.read_ends` kernel pass over the first
-and last rows, and the checks that compare them with the carry.
+cached; per call there remain the flag views, the stream ends and the
+checks that compare them with the carry.
+
+Layouts. A layout turns a batch into flat rows (C order over the batch dimensions) and
+gives each row a dense stream index. Three layouts exist:
+
+* ``time_last``: batch ``[*E, T]``; each index of ``*E`` is a stream, stable
+  across calls. A 1-D batch named ``["time"]``, or of length one (what
+  ``ReplayBuffer.add`` passes), is a single stream.
+* ``step``: batch ``[E]``; each call is one step of ``E`` streams.
+* ``stream_key``: batch ``[N]``; a per-row key holds the stream id.
+
+Flags. Each returns a numpy array with one entry per row of the call, or an empty
+array when the call has nothing of that kind (the kernel then skips it).
+
+A batch written again. A replay buffer runs the filter, then writes what the filter returned. If
+that write fails (a full disk, a storage that raises), the filter has
+already moved on: the held rows it released in that call, and its flags,
+belong to rows that never reached the buffer. A user who writes the same
+batch again gets those rows again: the cleaner keeps what it was before its
+last call, and when a call brings that call's batch again it goes back to
+it first (:meth:`cleanbuf.engine._cleaner.Cleaner._call_with_retry`).
+
+The batch is recognised by the first row of each stream: its observation,
+and its trajectory id where the rows have TorchRL's
+``("collector", "traj_ids")`` (read with the stream ends,
+:func:`cleanbuf.engine._continuity.read_ends`). With trajectory ids it is
+checked on every call. Where the filter sees that the last call's rows
+reached the buffer
+(:meth:`cleanbuf.engine._cleaner.Cleaner.last_call_stored`), the same batch
+again is a duplicate and raises :class:`~cleanbuf.ContinuityError`. An
+id alone is not enough: a stream keeps its id for a whole episode, so two
+batches in a row start with the same ids whenever
+no episode ended between their starts (every batch of a 200-step Pendulum
+episode collected 8 steps at a time). The observation tells them apart: the
+next batch starts where the last one ended. Only an env whose observation
+did not change over a whole batch, in every stream, looks the same. Without
+trajectory ids the fingerprint is checked only when the call fails: a
+repeated batch does not follow the streams, so the continuity check or the
+reset-row check refuses it, unless every stream ended or restarted right at
+its start; such a repeat is not recognised.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from cleanbuf.engine import _checks
-from cleanbuf.engine._carry import Carry
 from cleanbuf.engine._continuity import CallEnds, check, read_ends
-from cleanbuf.engine._errors import InputError, key_name
-from cleanbuf.engine._flags import (
-    NONE,
-    joint_rows,
-    restart_rows,
-    reward_rows,
-    row_flags_or_none,
-    stored_rows,
+from cleanbuf.engine._errors import (
+    InputError,
+    LayoutError,
+    key_name,
 )
 from cleanbuf.engine._kernels import (
     ANY_MARKS,
     NEED_INIT,
     NO_MARKS,
+    NO_ROWS,
     PENDING,
     SHIFT,
     UNSTORED_MARKS,
     WAITING,
+    Flags,
+    Rules,
+    read_fills,
 )
 from cleanbuf.engine._keys import (
     TRAJ_IDS,
@@ -43,13 +90,467 @@ from cleanbuf.engine._keys import (
     done_flags,
     final_entries,
     observation_keys,
+    row_flags,
     without_empty_final_entry,
 )
-from cleanbuf.engine._layout import CallLayout, resolve
-from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
-from cleanbuf.engine._retry import Fingerprint, SameBatchAgain
-from cleanbuf.engine._rules import Rules
+from cleanbuf.engine._state import Carry
+from cleanbuf.engine._write import SMALL_ROW_BYTES, Views
+
+_OPTIONS = (
+    "layout=None for TorchRL collector batches [*E, T] (time last) or a single "
+    "stream named ['time']; layout='step' when each call holds one step of E envs "
+    "(batch [E]); stream_key=KEY for flat rows with a per-row stream id"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallLayout:
+    """How one call's rows map to streams.
+
+    Attributes:
+        kind: "time_last", "step" or "stream_key".
+        stream_shape: the shape of the stream dimensions (``*E``; ``()`` for
+            a single stream, ``(S,)`` for stream-key data).
+        n_rows: rows in the call.
+        stream: int64[n_rows] dense stream index of each flat row, for
+            stream-key data (empty otherwise: row ``i`` belongs to stream
+            ``i // steps``).
+        steps: time steps per stream in this call (``T``; 1 for "step";
+            0 for "stream_key", where it varies).
+        new_stream_ids: stream ids seen for the first time (stream-key only).
+    """
+
+    kind: str
+    stream_shape: tuple
+    n_rows: int
+    stream: np.ndarray
+    steps: int
+    new_stream_ids: np.ndarray | None = None
+    n_streams: int = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        # The number of streams (the product of ``stream_shape``).
+        object.__setattr__(self, "n_streams", int(np.prod(self.stream_shape, dtype=np.int64)))
+
+    @functools.cached_property
+    def first_rows(self) -> np.ndarray:
+        """The first row of each stream (time-aligned layouts)."""
+        return np.arange(0, self.n_rows, self.steps)
+
+    @functools.cached_property
+    def last_rows(self) -> np.ndarray:
+        """The last row of each stream (time-aligned layouts)."""
+        return np.arange(self.steps - 1, self.n_rows, self.steps)
+
+    def stream_of(self, rows: np.ndarray) -> np.ndarray:
+        """The dense stream index of the given flat rows."""
+        return rows // self.steps if self.steps else self.stream[rows]
+
+
+def _time_last(batch_size: torch.Size) -> CallLayout:
+    stream_shape = tuple(batch_size[:-1])
+    steps = int(batch_size[-1])
+    n_streams = int(np.prod(stream_shape, dtype=np.int64))
+    return CallLayout("time_last", stream_shape, n_streams * steps, NO_ROWS, steps)
+
+
+def _single_stream(steps: int) -> CallLayout:
+    return CallLayout("time_last", (), steps, NO_ROWS, steps)
+
+
+def resolve(
+    batch_size: torch.Size,
+    names: list | None,
+    declared: str | None,
+    stream_ids: torch.Tensor | None,
+    known_ids: np.ndarray | None,
+) -> CallLayout:
+    """Works out the layout of one call and validates it.
+
+    Args:
+        batch_size: the batch size of the call.
+        names: the batch dimension names, or None.
+        declared: the layout the user declared (None to infer).
+        stream_ids: the per-row stream ids (stream-key layout only).
+        known_ids: stream ids seen in earlier calls, in slot order.
+
+    Returns:
+        The call's :class:`CallLayout`.
+
+    Raises:
+        LayoutError: the layout is ambiguous or does not match the batch.
+
+    Examples:
+        >>> lay = resolve(torch.Size([2, 3]), [None, None], None, None, None)
+        >>> lay.stream_of(np.arange(6)).tolist()
+        [0, 0, 0, 1, 1, 1]
+    """
+    if declared is None:
+        return _inferred(batch_size, names)
+    ndim = len(batch_size)
+    if declared == "time_last":
+        if ndim == 0:
+            raise LayoutError(
+                f"layout='time_last' expects a [*E, T] batch; got batch_size=[]. Pass {_OPTIONS}."
+            )
+        if ndim == 1:
+            return _single_stream(int(batch_size[0]))
+        return _time_last(batch_size)
+    if declared == "step":
+        if ndim != 1:
+            raise LayoutError(
+                f"layout='step' expects one step of E envs per call, batch [E]; got "
+                f"batch_size={list(batch_size)}. If this is a collector batch [E, T], use "
+                "layout=None; if you called rb.add() with E envs, call rb.extend() instead."
+            )
+        n = int(batch_size[0])
+        return CallLayout("step", (n,), n, NO_ROWS, 1)
+    return _stream_key(batch_size, stream_ids, known_ids)
+
+
+def _inferred(batch_size: torch.Size, names: list | None) -> CallLayout:
+    """The layout of a batch whose layout was not declared, or an error naming the options."""
+    ndim = len(batch_size)
+    if ndim == 0:
+        raise LayoutError(
+            "got a batch with batch_size=[] (a single row without a time or env "
+            f"dimension). Use rb.add(row) for one row of one stream, or {_OPTIONS}."
+        )
+    if ndim >= 2:
+        if names is not None and names[-1] not in (None, "time"):
+            raise LayoutError(
+                f"a [*E, T] batch must have time last; got names={list(names)}. "
+                "Permute the batch so that 'time' is the last dimension, or pass "
+                f"{_OPTIONS}."
+            )
+        return _time_last(batch_size)
+    if (names is not None and names[0] == "time") or batch_size[0] == 1:
+        return _single_stream(int(batch_size[0]))
+    raise LayoutError(
+        f"cannot tell the streams apart in a 1-D batch of batch_size={list(batch_size)} "
+        f"and names={names}: it could be one step of {batch_size[0]} envs, one "
+        "env's trajectory, or a flattened collector batch (data.reshape(-1) mixes "
+        f"streams and cannot be cleaned). Pass {_OPTIONS}; a single stream can also "
+        "be named: data.refine_names('time')."
+    )
+
+
+def _stream_key(
+    batch_size: torch.Size, stream_ids: torch.Tensor, known_ids: np.ndarray | None
+) -> CallLayout:
+    """Flat rows with a stream id each: ids seen before keep their slot, new ones follow."""
+    if len(batch_size) != 1:
+        raise LayoutError(
+            f"layout='stream_key' expects flat rows, batch [N]; got batch_size="
+            f"{list(batch_size)}. Flatten with data.reshape(-1) only if the stream key "
+            "identifies each row's env."
+        )
+    ids = stream_ids.reshape(batch_size[0], -1) if batch_size[0] else stream_ids.reshape(0, 1)
+    if ids.shape[1] != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise LayoutError(
+            f"the stream key must hold one integer id per row, shape [{batch_size[0]}] or "
+            f"[{batch_size[0]}, 1]; got shape {list(stream_ids.shape)} and dtype "
+            f"{stream_ids.dtype}."
+        )
+    ids = ids[:, 0].cpu().numpy().astype(np.int64, copy=False)
+    known = np.zeros(0, np.int64) if known_ids is None else known_ids
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    order = np.argsort(known, kind="stable")
+    pos = np.searchsorted(known[order], uniq)
+    pos_clipped = np.minimum(pos, max(len(known) - 1, 0))
+    found = (
+        (pos < len(known)) & (known[order][pos_clipped] == uniq)
+        if len(known)
+        else (np.zeros(len(uniq), bool))
+    )
+    slot = np.empty(len(uniq), np.int64)
+    slot[found] = order[pos_clipped[found]]
+    new_ids = uniq[~found]
+    slot[~found] = len(known) + np.arange(len(new_ids))
+    n_streams = len(known) + len(new_ids)
+    return CallLayout(
+        "stream_key",
+        (n_streams,),
+        int(batch_size[0]),
+        slot[inverse.reshape(-1)],
+        0,
+        new_ids,
+    )
+
+
+NONE = np.zeros(0, np.bool_)
+NONE.flags.writeable = False
+
+
+def restart_rows(options: Options, rows: Views) -> np.ndarray:
+    """Per row, whether it comes after a real reset of its env.
+
+    Read from ``is_init`` where the rows have it, else ``step_count == 0``.
+
+    Examples:
+        >>> rows = Views({("is_init",): torch.tensor([True, False])}, 1, 2)
+        >>> restart_rows(Options(), rows).tolist()
+        [True, False]
+    """
+    if options.is_init_key is not None and options.is_init_key in rows.tensors:
+        return row_flags("is_init", options.is_init_key, rows)
+    if options.step_count_key is not None and options.step_count_key in rows.tensors:
+        count = rows.tensors[options.step_count_key]
+        return (count.reshape(rows.n_rows, -1)[:, 0] == 0).cpu().numpy()
+    return NONE
+
+
+def row_flags_or_none(rows: Views, key: tuple) -> np.ndarray:
+    """The flags of ``key`` (see :func:`row_flags`), or empty where the rows lack it."""
+    return row_flags(key[-1], key, rows) if key in rows.tensors else NONE
+
+
+def reward_rows(options: Options, rows: Views) -> np.ndarray:
+    """Per row, nonzero where the reward is not exactly 0 (for the reset-row check)."""
+    key = options.reward_key
+    if not options.check_reset_rows or key is None or options.mode != "next_step":
+        return NONE
+    if key not in rows.tensors:
+        found = [k for k in rows.tensors if "reward" in str(k[-1])]
+        raise InputError(
+            f"reward key {key_name(key)} is missing from the batch (reward-like keys found: "
+            f"{found or 'none'}); the reset-row check reads it: a row after a done row must "
+            "have reward 0 to be dropped as a reset row, and without it data in the wrong "
+            "mode (already clean, or same-step) would lose real rows. Fix: pass "
+            "reward_key= naming the reward (for example reward_key=('reward',)), or "
+            "check_reset_rows=False to drop every row after a done row unchecked. "
+            "Nothing was written."
+        )
+    n = rows.n_rows
+    a = rows[key]
+    if a is not None and a.size == n and a.dtype.kind != "c":
+        return a.reshape(n)
+    reward = rows.tensors[key]
+    return (reward != 0).reshape(n, -1).any(1).to(torch.uint8).cpu().numpy()
+
+
+def joint_rows(options: Options, rows: Views, done: np.ndarray) -> np.ndarray:
+    """Per flat row, done at a step where its whole reset group was done (``joint_key``).
+
+    Time-aligned rows need no such flags: the planning kernel reads their
+    joint resets from the done flags of each step (``group``).
+    """
+    if not options.joint_reset or options.joint_key is None:
+        return NONE
+    return done & row_flags("joint_key", options.joint_key, rows)
+
+
+def stored_rows(rows: Views, obs_keys, done: np.ndarray) -> np.ndarray:
+    """Per done row, whether its next observation is stored (read from the data).
+
+    A done row's ``("next", k)`` holds its terminal observation unless the
+    producer filled it in: zero-filled (every element of every observation
+    key exactly 0, as TorchRL's collectors leave a next-step done row) or
+    NaN-filled (any NaN in a floating-point key, TorchRL's mark of a missing
+    next observation). Any other value is stored: it is never replaced and
+    never counted as lost. The one ambiguity: a terminal observation that is
+    truly 0 in every element reads as zero-filled. Where its reset row
+    follows, that row's observation (the same zeros) is written back, so
+    nothing changes; where none follows (a flush, a restart, a joint reset)
+    it is counted lost. Only done rows are read (one small gather each).
+
+    Returns:
+        bool ``[n_rows]`` (False on rows that are not done), or an empty
+        array when no row is done.
+
+    Examples:
+        >>> done = np.array([True, False, True, True])
+        >>> nxt = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 3.0], [float("nan"), 1.0]])
+        >>> rows = Views({("next", "observation"): nxt}, 1, 4)
+        >>> stored_rows(rows, [("observation",)], done).tolist()
+        [False, False, True, False]
+    """
+    done_rows = np.flatnonzero(done)
+    if not len(done_rows):
+        return NONE
+    filled = np.ones(len(done_rows), np.bool_)  # zero-filled so far
+    nan = np.zeros(len(done_rows), np.bool_)
+    for k in obs_keys:
+        nk = ("next", *k)
+        a = rows[nk]
+        if a is None:  # torch ops (CUDA, dtypes numpy lacks)
+            x = rows.flat(nk)
+            x = x.index_select(0, torch.from_numpy(done_rows).to(x.device))
+            x = x.reshape(len(done_rows), -1)
+            filled &= (x == 0).all(1).cpu().numpy()
+            if x.is_floating_point():
+                nan |= x.isnan().any(1).cpu().numpy()
+            continue
+        x = a.reshape(rows.n_rows, -1)
+        floating = x.dtype.kind in "fc"
+        if x.shape[1] * x.itemsize <= SMALL_ROW_BYTES and x.dtype != np.float16:  # (numba lacks it)
+            read_fills(x.view(np.uint8) if x.dtype == np.bool_ else x, done_rows, floating,
+                       filled, nan)  # fmt: skip
+            continue
+        x = x[done_rows]  # wide rows: numpy's vectorized scans
+        filled &= ~x.any(1)  # (-0.0 is 0; NaN is not, and is read below)
+        if floating:
+            nan |= np.isnan(x).any(1)
+    out = np.zeros(len(done), np.bool_)
+    out[done_rows] = ~(filled | nan)
+    return out
+
+
+def same_streams(carry: Carry, layout: CallLayout) -> None:
+    """Raises unless a call's streams are those of the calls before it."""
+    if carry.layout_kind is None or layout.kind == "stream_key":
+        return
+    if layout.kind != carry.layout_kind or layout.stream_shape != carry.stream_shape:
+        raise LayoutError(
+            f"the streams changed between calls: earlier calls had {carry.layout_kind} "
+            f"streams of shape {list(carry.stream_shape)}, this call has {layout.kind} "
+            f"streams of shape {list(layout.stream_shape)}. Each stream must stay "
+            "the same env across calls. Call flush() and use a new filter for a new "
+            "env set, or use stream_key= if envs come and go."
+        )
+
+
+def same_schema_as_held(held: dict, leaves: dict, batch_dims: int) -> None:
+    """Raises unless a batch's leaves match the held rows (while rows are held)."""
+    if set(held) != set(leaves):
+        gone = ", ".join(key_name(k) for k in sorted(set(held) - set(leaves), key=str))
+        new = ", ".join(key_name(k) for k in sorted(set(leaves) - set(held), key=str))
+        raise InputError(
+            f"the batch keys changed between calls while rows are held: expected the held "
+            f"rows' keys, got a batch without [{gone}] and with new [{new}]. Keep the keys "
+            "stable (every batch of a producer has the same keys), or call flush(rb) before "
+            "changing them. Nothing was written."
+        )
+    for k, v in leaves.items():
+        h = held[k]
+        if h.dtype != v.dtype or h.shape[1:] != v.shape[batch_dims:]:
+            what = "dtype" if h.dtype != v.dtype else "feature shape"
+            cast = f"data.set({key_name(k)}, data.get({key_name(k)}).to({h.dtype}))"
+            raise InputError(
+                f"key {key_name(k)} changed its {what} between calls while rows are held: "
+                f"expected shape {list(h.shape[1:])} and dtype {h.dtype} per row (as the held "
+                f"rows), got {list(v.shape[batch_dims:])} and {v.dtype}. Keep it stable "
+                f"(cast before the filter: {cast}), "
+                "or call flush(rb) before changing it. Nothing was written."
+            )
+
+
+def same_observations(before: dict, now: dict) -> None:
+    """Raises unless the observation keys kept their dtype and feature shape.
+
+    Args:
+        before: key -> (dtype, feature shape) of the calls before.
+        now: the same for this call.
+
+    Raises:
+        InputError: a key present in both changed (a new or a dropped key is
+            left to the continuity check).
+    """
+    for k, (dtype, shape) in before.items():
+        if k not in now or now[k] == (dtype, shape):
+            continue
+        new_dtype, new_shape = now[k]
+        what = "dtype" if dtype != new_dtype else "feature shape"
+        cast = f"data.set({key_name(k)}, data.get({key_name(k)}).to({dtype}))"
+        raise InputError(
+            f"observation key {key_name(k)} changed its {what} between calls: expected dtype "
+            f"{dtype} and feature shape {list(shape)} (as the calls before), got {new_dtype} "
+            f"and {list(new_shape)}. This is no other producer: a stream's observations keep "
+            f"their kind from step to step. Cast before the filter ({cast}, and its "
+            "('next', ...) twin), or flush(rb) and use a new filter for data of another kind. "
+            "Nothing was written."
+        )
+
+
+def reset_groups(group: int, n_streams: int, stream_shape: tuple) -> None:
+    """Raises unless reset groups of ``group`` streams tile the streams."""
+    if n_streams % group:
+        raise LayoutError(
+            f"reset_group_size={group} does not divide the {n_streams} streams of "
+            f"shape {list(stream_shape)}; it must be the number of envs that "
+            "reset together (the envs of one TorchRL GymEnv / worker)."
+        )
+
+
+def looks_time_first(td: Any, options: Options) -> bool:
+    """Whether a ``[A, B]`` batch read as ``[E, T]`` looks time-first ``[T, E]``.
+
+    Within a stream, a row's next observation is the next row's
+    observation except at episode ends. Read along the last axis (time
+    last, as TorchRL collectors give batches) that chain should hold; when
+    it holds along the first axis instead, the batch is most likely
+    ``[T, E]`` (CleanRL, Stable-Baselines3, a rollout stacked step by
+    step). Only looked at on the way to an error, or on a repair's first
+    batch. Never raises: a batch too odd to tell is not time-first here
+    (the cleaner's own check says what is wrong with it).
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> obs = torch.arange(8.0).reshape(4, 2, 1)  # [T=4, E=2]: obs[t + 1] follows obs[t]
+        >>> td = TensorDict({"obs": obs, ("next", "obs"): obs + 2}, batch_size=[4, 2])
+        >>> looks_time_first(td, Options()), looks_time_first(td.transpose(0, 1), Options())
+        (True, False)
+    """
+    if getattr(td, "batch_dims", 0) != 2 or min(td.batch_size) < 2:
+        return False
+    try:
+        leaves = dict(td.items(include_nested=True, leaves_only=True))
+        leaves = {k if isinstance(k, tuple) else (k,): v for k, v in leaves.items()}
+        bookkeeping = {k for k in (options.is_init_key, options.step_count_key) if k}
+        keys, obs_only = observation_keys(leaves, options.observation_keys, bookkeeping)
+        obs, nxt = leaves.get(keys[0]), leaves.get(("next", *keys[0]))
+        if obs_only or obs is None or nxt is None or obs.shape != nxt.shape or obs.is_meta:
+            return False
+        obs, nxt = obs.detach().cpu(), nxt.detach().cpu()
+
+        def chain(a: torch.Tensor, b: torch.Tensor) -> float:
+            same = (a == b).reshape(a.shape[0], a.shape[1], -1).all(-1)
+            return float(same.float().mean())
+
+        along_time, along_envs = chain(nxt[:, :-1], obs[:, 1:]), chain(nxt[:-1], obs[1:])
+    except Exception:  # noqa: BLE001 - too odd to tell
+        return False
+    return along_envs >= 0.5 and along_envs > along_time
+
+
+def time_first_hint(td: Any, options: Options) -> str:
+    """The filter's sentence for a batch of inferred layout that looks ``[T, E]``, or "".
+
+    See :func:`looks_time_first`.
+    """
+    if options.layout is not None or not looks_time_first(td, options):
+        return ""
+    a, b = td.batch_size
+    return (
+        f"This batch looks time-first [T, E]: its rows continue along the first axis "
+        f"(size {a}), not the last (size {b}), and the filter reads batches as [E, T] "
+        "(time last, as TorchRL collectors give them). Transpose it first "
+        "(batch.transpose(0, 1)), or store it as flat rows with layout='stream_key'. "
+        "If the batch is [E, T] after all:"
+    )
+
+
+class SameBatchAgain(Exception):
+    """Raised inside the cleaner when a call brings the last call's batch again."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """The first row of each stream of a time-aligned call.
+
+    Attributes:
+        exact: the rows include trajectory ids (checked on every call).
+        rows: key -> the first rows' bytes ``[S, B]``: the observations, and
+            the trajectory ids when there are some.
+        again: the rows equal the fingerprint of the call before (compared
+            when read).
+    """
+
+    exact: bool
+    rows: dict
+    again: bool
+
 
 _CACHE_SIZE = 64
 
@@ -74,8 +575,8 @@ class Call:
     schema: dict = dataclasses.field(default_factory=dict)  # obs key -> (dtype, feature shape)
     as_is: bool = True  # nothing to clean: the rows pass through as views
 
-    def kernel_flags(self, options: Options) -> dict:
-        """The per-row flags and switches of the planning kernel for this call."""
+    def flags(self, options: Options) -> Flags:
+        """The rows, per-row flags and switches of the planning kernel for this call."""
         views, layout = self.views, self.layout
         marks = NO_MARKS
         if self.rules.marks and (len(self.restart) > 0 or self.ends is not None):
@@ -85,7 +586,11 @@ class Call:
         group = 0
         if options.joint_reset and options.joint_key is None:
             group = options.reset_group_size or layout.n_streams
-        return dict(
+        return Flags(
+            n=layout.n_rows,
+            steps=layout.steps,
+            stream=layout.stream,
+            done=self.done,
             stored=self.stored(options),
             joint=joint_rows(options, views, self.done),
             group=group,
@@ -102,7 +607,7 @@ class Call:
     def stored(self, options: Options) -> np.ndarray:
         """Per done row, whether its next observation is stored (next-step full rows).
 
-        Read from the data (:func:`~cleanbuf.engine._flags.stored_rows`);
+        Read from the data (:func:`~cleanbuf.engine._read.stored_rows`);
         every done row where ``terminal_obs_in_done_row=True`` says so.
         """
         if not self.rules.reset_rows or self.obs_only:
@@ -156,7 +661,7 @@ class Reader:
         dims = td.batch_dims
         call.schema = {k: (leaves[k].dtype, leaves[k].shape[dims:]) for k in call.obs_keys}
         if carry.obs_schema and not carry.is_blank():
-            _checks.same_observations(carry.obs_schema, call.schema)
+            same_observations(carry.obs_schema, call.schema)
         if opts.mode == "same_step":
             call.final_of, call.final_present, entry_keys = final_entries(
                 leaves, opts.final_obs_key, call.obs_keys, layout.n_rows, td.batch_dims
@@ -164,7 +669,7 @@ class Reader:
             if entry_keys and not opts.keep_final_obs:
                 call.moved = {k: v for k, v in leaves.items() if k not in entry_keys}
         if len(carry.held_stream):
-            _checks.same_schema_as_held(carry.held, call.moved, td.batch_dims)
+            same_schema_as_held(carry.held, call.moved, td.batch_dims)
         grow = layout.n_streams > carry.n_streams
         call.carry = carry.grown(layout.n_streams) if grow else carry
         call.restart = restart_rows(opts, views)
@@ -265,8 +770,8 @@ class Reader:
             layout = resolve(td.batch_size, names, opts.layout, None, None)
             if opts.joint_reset and opts.joint_key is None and layout.kind != "stream_key":
                 group = opts.reset_group_size or layout.n_streams
-                _checks.reset_groups(group, layout.n_streams, layout.stream_shape)
+                reset_groups(group, layout.n_streams, layout.stream_shape)
             if len(self._layouts) < _CACHE_SIZE:
                 self._layouts[cache_key] = layout
-        _checks.same_streams(carry, layout)
+        same_streams(carry, layout)
         return layout

@@ -1,5 +1,10 @@
 """Rollouts kept whole: the cleaner's plan written into the batch, time axis kept.
 
+The second writer of the step (read -> plan -> **write**): it reads, plans
+and commits through :class:`~cleanbuf.engine._cleaner.Cleaner`'s public
+``read``, ``plan`` and ``commit``, and writes the plan in place of
+:mod:`cleanbuf.engine._write`'s flat rows.
+
 The filter's output form drops rows; on-policy learners need the ``[*E, T]``
 batch their value estimators walk. This second output form reads and plans a
 call with the same :class:`~cleanbuf.engine._cleaner.Cleaner` (the same
@@ -33,16 +38,15 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from cleanbuf.engine._checks import lost_policy
 from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._compat import new_tensordict
 from cleanbuf.engine._errors import LayoutError
-from cleanbuf.engine._flags import stored_rows
 from cleanbuf.engine._kernels import RELEASED_AS_IS, RELEASED_LOST
 from cleanbuf.engine._keys import DONE_KEYS, done_flags, observation_keys
-from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
-from cleanbuf.engine._patch import fill_rows, fix_bookkeeping, set_rows
+from cleanbuf.engine._plan import lost_policy
+from cleanbuf.engine._read import stored_rows
+from cleanbuf.engine._write import Views, fill_rows, fix_bookkeeping, set_rows
 
 # What each returned row is (int8 per row).
 VALID, RESET, LOST = 0, 1, 2
@@ -147,13 +151,13 @@ class Rollouts:
             out.set(self.mask_key, torch.zeros(td.batch_size, dtype=torch.bool, device=td.device))
             return out
         cleaner = self.cleaner
-        call = cleaner._read(td)
+        call = cleaner.read(td)
         n = call.layout.n_rows
         rows = _Rows({k: call.views.flat(k).clone() for k in call.moved}, np.zeros(n, np.int8))
         if call.carry is None:  # disabled mode: nothing to repair
             return self._emit(td, rows, hold=False, counts={})
         call.rules = call.rules._replace(drop_lost=False)  # lost rows are masked, not gone
-        plan = cleaner._plan(call)
+        plan = cleaner.plan(call)
         counts = self._patch(call, plan, rows)
         held = self._release(call, plan, counts)
         hold = plan.sel.hold
@@ -162,7 +166,7 @@ class Rollouts:
             idx = torch.from_numpy(hold)
             new_held = {k: call.views.flat(k).index_select(0, idx.to(v.device))
                         for k, v in call.moved.items()}  # fmt: skip
-        cleaner._commit(call, plan, new_held)  # nothing raises from here on
+        cleaner.commit(call, plan, new_held)  # nothing raises from here on
         self._held = held
         return self._emit(td, rows, hold=call.rules.hold_done, counts=counts)
 
@@ -333,7 +337,7 @@ class Rollouts:
         """
         if self._held is None:
             return None
-        carry = self.cleaner._carry
+        carry = self.cleaner.carry
         streams = carry.held_stream  # the held column's waiting rows
         if len(streams):
             held, opts = self._held, self.options

@@ -24,9 +24,8 @@ from tensordict import TensorDictBase
 from cleanbuf.engine._cleaner import STAT_NAMES, Cleaner
 from cleanbuf.engine._errors import InputError
 from cleanbuf.engine._keys import DONE_KEYS, done_flags
-from cleanbuf.engine._move import Views
 from cleanbuf.engine._options import Options
-from cleanbuf.engine._pool import BufferPool
+from cleanbuf.engine._write import BufferPool, Views
 from cleanbuf.offline._audit import Report, analyse, stream_positions
 from cleanbuf.offline._formats import DUMP, Collect, Dataset, Shape, Writer, read
 from cleanbuf.offline._joint import joint_rows

@@ -7,7 +7,6 @@ from typing import Any
 
 from tensordict import NestedKey, TensorDictBase, unravel_key
 
-from cleanbuf.engine._checks import looks_time_first
 from cleanbuf.engine._dicts import to_dict, to_tensordict
 from cleanbuf.engine._errors import (
     CleanbufError,
@@ -18,6 +17,7 @@ from cleanbuf.engine._errors import (
     StateError,
 )
 from cleanbuf.engine._options import Options, options_in
+from cleanbuf.engine._read import looks_time_first
 from cleanbuf.engine._rollout import MASK_KEY, Rollouts
 from cleanbuf.online._base import OnlineCleaner
 from cleanbuf.online._losses import LostObservations

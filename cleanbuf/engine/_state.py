@@ -1,4 +1,11 @@
-"""The cleaner's carry state: what one call leaves for the next.
+"""The state a cleaner keeps between calls: the carry, its held rows, its checks.
+
+What the step (read -> plan -> write) reads and replaces: a call builds a
+new :class:`Carry` (or new fields of it) and the cleaner makes it current
+only when the call succeeds, so a failed call leaves the state as it was.
+Also the checks of a saved state (:func:`check_state`,
+:func:`same_options`) and how the held rows change in a call
+(:func:`kept_held`).
 
 Per stream: whether a reset row comes next (``pending``), whether a held row
 waits for the next row as its next observation's source (``waiting``),
@@ -21,7 +28,10 @@ import numpy as np
 import torch
 
 from cleanbuf.engine._continuity import LastRows, as_bytes
-from cleanbuf.engine._errors import StateError
+from cleanbuf.engine._errors import (
+    InputError,
+    StateError,
+)
 from cleanbuf.engine._kernels import (
     JOINT_MARK,
     MARK,
@@ -31,6 +41,7 @@ from cleanbuf.engine._kernels import (
     SHIFT,
     WAITING,
 )
+from cleanbuf.engine._options import Options
 
 STATE_VERSION = 2
 # The per-stream values: their row in Carry.per_stream, and their dtype in a state dict.
@@ -301,3 +312,34 @@ def _check_last(state: dict) -> None:
             raise _state_error(
                 f"last_next[{key!r}]", f"a [{n_open}, bytes] tensor (as 'last_open')", got
             )
+
+
+def same_options(saved: dict | None, options: Options) -> None:
+    """Raises unless a state was saved by a cleaner with ``options``.
+
+    ``saved`` is None for an older state that did not record them.
+    """
+    if saved is None:
+        return
+    diff = [
+        f"{k}={saved.get(k)!r} (this filter: {v!r})"
+        for k, v in options.as_dict().items()
+        if saved.get(k) != v
+    ]
+    if diff:
+        raise InputError(
+            f"this state was saved by a filter with other options: {', '.join(diff)}. "
+            "Build the filter with the options it was saved with (or the same "
+            "for_env producer) before loading it."
+        )
+
+
+def kept_held(held: dict, kept_old: np.ndarray, new_held: dict) -> dict:
+    """The held rows after a call: the old ones not released, then the new ones."""
+    if not kept_old.any():
+        return new_held
+    idx = torch.from_numpy(np.flatnonzero(kept_old))
+    kept = {k: v.index_select(0, idx.to(v.device)) for k, v in held.items()}
+    if not new_held:
+        return kept
+    return {k: torch.cat([kept[k], new_held[k].to(kept[k].device)]) for k in kept}
