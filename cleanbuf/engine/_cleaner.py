@@ -151,6 +151,8 @@ class Cleaner:
         buffer failed, :meth:`_call_with_retry`) is cleaned as if that
         call had not happened: the rows it released come again.
         """
+        if self.options.layout == "time_first" and isinstance(td, TensorDictBase):
+            td = time_last(td)
         if isinstance(td, TensorDictBase) and td.batch_dims and td.batch_size[-1] == 0:
             # No row ([E, 0], or no env of a step): nothing to clean, nothing changes.
             return TensorDict({}, batch_size=[0], device=td.device)
@@ -786,3 +788,20 @@ def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
     stats["episodes_completed"] += int((marked & done).sum())  # taken for real ends
     stats["rows_held"] = 0
     return as_td(rows, len(keep))
+
+
+def time_last(td: TensorDictBase) -> TensorDictBase:
+    """A ``[T, *E]`` batch as ``[*E, T]`` (a view); a 1-D batch ``[T]`` as one stream ``[1, T]``.
+
+    Examples:
+        >>> td = TensorDict({"x": torch.arange(6).reshape(3, 2)}, batch_size=[3, 2])
+        >>> time_last(td)["x"].tolist()  # 3 steps of 2 envs: each env's 3 steps
+        [[0, 2, 4], [1, 3, 5]]
+        >>> time_last(TensorDict({"x": torch.arange(3)}, batch_size=[3])).batch_size
+        torch.Size([1, 3])
+    """
+    if td.batch_dims == 1:
+        return td.unsqueeze(0)
+    if td.batch_dims > 1:
+        return td.permute(*range(1, td.batch_dims), 0)
+    return td

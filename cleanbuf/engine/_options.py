@@ -11,7 +11,7 @@ from tensordict import NestedKey, unravel_key
 from cleanbuf.engine._errors import CleanbufError, user_stacklevel
 
 MODES = ("next_step", "same_step", "disabled")
-LAYOUTS = ("time_last", "step", "stream_key")
+LAYOUTS = ("time_last", "time_first", "step", "stream_key")
 LOST_POLICIES = ("nan", "drop", "raise", "keep")
 
 # Gymnasium's AutoresetMode values, so that the enum works without importing
@@ -82,11 +82,10 @@ class Options:
         layout: which rows of a call belong to which env. None infers it
             (``[*E, T]`` time-last collector batches; a 1-D batch named
             ``["time"]`` or of length one is one stream); "time_last"
-            declares ``[*E, T]``; "step": each call is one step of E envs,
-            batch ``[E]``; "stream_key": flat rows with a per-row env id
-            under ``stream_key``. (``[T, E]`` rollouts: ``"time_first"``,
-            which :class:`~cleanbuf.RolloutRepair` and
-            :func:`~cleanbuf.clean` take.)
+            declares ``[*E, T]``; "time_first": ``[T, *E]`` rollouts as
+            raw loops stack them (CleanRL, Stable-Baselines3); "step": each
+            call is one step of E envs, batch ``[E]``; "stream_key": flat
+            rows with a per-row env id under ``stream_key``.
         stream_key: the key of a per-row stream (env) id, for flat rows.
         joint_reset: the producer resets a whole reset group when all its
             envs are done on the same step, and no reset row follows
@@ -296,9 +295,9 @@ def _layout(layout: str | None, stream_key: tuple | None, mode: str) -> str | No
         raise CleanbufError(
             f"layout={layout!r} is not known. Pass None or 'time_last' ([*E, T] "
             "time-last collector batches, or one stream for a 1-D batch named ['time']), "
-            "'step' (each call is one step of E envs, batch [E]), or "
-            "stream_key=KEY (flat rows with a per-row stream id). [T, E] arrays: "
-            "cleanbuf.clean(data, layout='time_first') or RolloutRepair(layout='time_first')."
+            "'time_first' ([T, *E] rollouts, as raw loops stack their steps), 'step' "
+            "(each call is one step of E envs, batch [E]), or stream_key=KEY (flat rows "
+            "with a per-row stream id)."
         )
     if layout == "stream_key" and stream_key is None:
         raise CleanbufError(

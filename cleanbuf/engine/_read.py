@@ -99,8 +99,9 @@ from cleanbuf.engine._write import SMALL_ROW_BYTES, Views
 
 _OPTIONS = (
     "layout=None for TorchRL collector batches [*E, T] (time last) or a single "
-    "stream named ['time']; layout='step' when each call holds one step of E envs "
-    "(batch [E]); stream_key=KEY for flat rows with a per-row stream id"
+    "stream named ['time']; layout='time_first' for [T, *E] rollouts; layout='step' "
+    "when each call holds one step of E envs (batch [E]); stream_key=KEY for flat "
+    "rows with a per-row stream id"
 )
 
 
@@ -189,10 +190,11 @@ def resolve(
     if declared is None:
         return _inferred(batch_size, names)
     ndim = len(batch_size)
-    if declared == "time_last":
+    if declared in ("time_last", "time_first"):  # (a time-first call is read transposed)
         if ndim == 0:
             raise LayoutError(
-                f"layout='time_last' expects a [*E, T] batch; got batch_size=[]. Pass {_OPTIONS}."
+                f"layout={declared!r} expects a batch with a time axis; got batch_size=[]. "
+                f"Pass {_OPTIONS}."
             )
         if ndim == 1:
             return _single_stream(int(batch_size[0]))
@@ -525,9 +527,9 @@ def time_first_hint(td: Any, options: Options) -> str:
     return (
         f"This batch looks time-first [T, E]: its rows continue along the first axis "
         f"(size {a}), not the last (size {b}), and the filter reads batches as [E, T] "
-        "(time last, as TorchRL collectors give them). Transpose it first "
-        "(batch.transpose(0, 1)), or store it as flat rows with layout='stream_key'. "
-        "If the batch is [E, T] after all:"
+        "(time last, as TorchRL collectors give them). Pass layout='time_first' "
+        "(AutoresetFilter(mode, layout='time_first')), or transpose it first "
+        "(batch.transpose(0, 1)). If the batch is [E, T] after all:"
     )
 
 
