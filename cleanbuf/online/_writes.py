@@ -120,14 +120,20 @@ def record(rb: Any, slot: tuple[int, int], out: TensorDictBase) -> LastWrite | N
     n = out.batch_size[0] if out.batch_dims else 0
     if not n or n > slot[1]:
         return None
-    key = _PROBE_KEYS.get(rb)
+    try:
+        key = _PROBE_KEYS.get(rb)
+    except TypeError:  # a buffer that cannot be a weak dictionary key
+        key = None
     value = None if key is None else out.get(key, None)
     if not isinstance(value, torch.Tensor):  # first call, or other keys
         key = _probe_key(out)
         value = None if key is None else out.get(key)
         if not isinstance(value, torch.Tensor):
             return None
-        _PROBE_KEYS[rb] = key
+        try:
+            _PROBE_KEYS[rb] = key
+        except TypeError:
+            pass
     rows = (0, n - 1) if n > 1 else (0,)  # the first and the last row
     first, capacity = slot
     slots = tuple((first + r) % capacity for r in rows)
