@@ -103,10 +103,12 @@ def row_bytes(leaf: torch.Tensor, rows: Any) -> tuple:
         except (TypeError, RuntimeError):  # bfloat16, a conjugate or negative view
             pass
         else:
-            return tuple(array[r].tobytes() for r in rows)
+            return tuple([array[r].tobytes() for r in rows])
     return tuple(
-        leaf[r].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        for r in rows
+        [
+            leaf[r].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            for r in rows
+        ]
     )
 
 
@@ -134,9 +136,11 @@ def record(rb: Any, slot: tuple[int, int], out: TensorDictBase) -> LastWrite | N
             _PROBE_KEYS[rb] = key
         except TypeError:
             pass
-    rows = (0, n - 1) if n > 1 else (0,)  # the first and the last row
     first, capacity = slot
-    slots = tuple((first + r) % capacity for r in rows)
+    if n > 1:  # the first and the last row
+        rows, slots = (0, n - 1), (first % capacity, (first + n - 1) % capacity)
+    else:
+        rows, slots = (0,), (first % capacity,)
     length = min(storage_length(rb.storage) + n, capacity)
     return LastWrite(
         weakref.ref(rb),
