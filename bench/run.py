@@ -30,6 +30,7 @@ import torch
 import torchrl
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
+import cleanbuf
 from bench.data import (
     MinimalCleaning,
     MinimalCompaction,
@@ -39,7 +40,7 @@ from bench.data import (
     gymnasium_recipe,
     make_batch,
 )
-from cleanbuf import AutoresetFilter
+from cleanbuf import AutoresetFilter, RolloutRepair
 from cleanbuf.engine import _kernels
 
 HERE = Path(__file__).parent
@@ -642,6 +643,227 @@ def memory_case(table: Table) -> None:
         )
 
 
+# ------------------------------------------------------------------ end to end
+TRAJ_IDS = ("collector", "traj_ids")
+
+
+def chained(kind: str, frac: float, n_envs: int, steps: int, count: int, drop: tuple = ()) -> list:
+    """``count`` consecutive ``[n_envs, steps]`` windows of one long stream, contiguous.
+
+    Each window continues the streams of the one before, as a collector's
+    consecutive batches do (the long stream's last row chains into its first,
+    so the list can also be cycled: see :class:`Feed`). ``drop``: keys left out.
+    """
+    long = make_batch(kind, frac, n_envs=n_envs, steps=steps * count)
+    if drop:
+        long = long.exclude(*drop)
+    return [long[:, k * steps : (k + 1) * steps].clone() for k in range(count)]
+
+
+class Feed:
+    """The windows in turn, one per call, for one buffer; after the last, the first again
+    with new trajectory ids (a collector never reuses one), so that no batch is ever
+    seen twice: a repeated batch reads as a retry and times another path.
+    """
+
+    def __init__(self, windows: list, flat: bool = False):
+        self.windows, self.flat, self.i = windows, flat, 0
+
+    def next(self):
+        cycle, k = divmod(self.i, len(self.windows))
+        self.i += 1
+        batch = self.windows[k]
+        if cycle and TRAJ_IDS in batch.keys(True, True):
+            batch = batch.clone(recurse=False)
+            batch.set(TRAJ_IDS, batch.get(TRAJ_IDS) + cycle * 10**7)
+        return batch.reshape(-1) if self.flat else batch
+
+
+def alternate_fed(calls: dict, feeds: dict, rounds: int, warmup: int = 3) -> dict:
+    """Times ``calls[k](feeds[k].next())`` round after round, rotating the order;
+    the next batch is taken outside the timed call.
+    """
+    for name, fn in calls.items():
+        for _ in range(warmup):
+            fn(feeds[name].next())
+    times = {k: [] for k in calls}
+    order = list(calls)
+    for r in range(rounds):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            batch = feeds[name].next()
+            start = time.perf_counter()
+            calls[name](batch)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def e2e_buffers(windows: list, capacity: int, **filter_options) -> tuple:
+    """The three buffers (plain, no-op transform, filter) and their feeds."""
+    rbs = {
+        "plain": ReplayBuffer(storage=LazyTensorStorage(capacity)),
+        "no-op": ReplayBuffer(storage=LazyTensorStorage(capacity), transform=ReshapeOnly()),
+        "filter": ReplayBuffer(
+            storage=LazyTensorStorage(capacity), transform=AutoresetFilter(**filter_options)
+        ),
+    }
+    feeds = {name: Feed(windows, flat=name == "plain") for name in rbs}
+    return {name: rb.extend for name, rb in rbs.items()}, feeds
+
+
+def e2e_case(
+    table: Table,
+    what: str,
+    windows: list,
+    rounds: int,
+    capacity: int,
+    cost_target: float | None,
+    ratio_target: float | None,
+    **filter_options,
+) -> None:
+    """One end-to-end case: the filter's own cost per call over the no-op
+    transform (the median of the per-round differences) and the ratio of a
+    filter extend to a plain one (the median of the per-round ratios).
+    """
+    calls, feeds = e2e_buffers(windows, capacity, **filter_options)
+    times = alternate_fed(calls, feeds, rounds)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    cost = statistics.median(f - n for f, n in zip(times["filter"], times["no-op"]))
+    table.add(
+        f"e2e: filter's cost per call over the no-op transform, {what}",
+        ms(med["no-op"]),
+        ms(med["filter"]),
+        cost * 1e6,
+        cost_target or 0,
+        None if cost_target is None else "<=",
+        unit="us",
+    )
+    table.add(
+        f"e2e: extend with filter / plain extend, {what}",
+        ms(med["plain"]),
+        ms(med["filter"]),
+        ratio(times, "filter", "plain"),
+        ratio_target or 0,
+        None if ratio_target is None else "<=",
+        note=f"no-op transform / plain: {ratio(times, 'no-op', 'plain'):.2f}x",
+    )
+
+
+def repair_case(table: Table, rounds: int) -> None:
+    """The repair against the filter on the same chained ``[4, 128]`` batches, each
+    called directly (no buffer on either side); each gets its own copies (the
+    repair writes into its batch).
+    """
+    count = rounds + 3
+    windows = chained("mujoco", 0.02, 4, 128, count)
+    feeds = {"filter": Feed(windows), "repair": Feed([w.clone() for w in windows])}
+    calls = {"filter": AutoresetFilter().inv, "repair": RolloutRepair()}
+    times = alternate_fed(calls, feeds, rounds)
+    table.add(
+        "e2e: RolloutRepair / AutoresetFilter on the same chained [4, 128] batches, "
+        "MuJoCo-like, 2% reset rows",
+        ms(statistics.median(times["filter"])),
+        ms(statistics.median(times["repair"])),
+        ratio(times, "repair", "filter"),
+        1.5,
+        "<=",
+        note="both called directly, no buffer",
+    )
+
+
+def calls_per_extend() -> tuple[int, int, list]:
+    """The cleanbuf Python calls in one ``rb.extend`` of a chained ``[8, 128]`` MuJoCo-like
+    batch (2% reset rows) through the filter, after three warm-up extends:
+    ``(calls, functions, modules)``, traced with ``sys.setprofile``, counting the
+    calls whose code lives under ``cleanbuf/``.
+    """
+    root = str(Path(cleanbuf.__file__).parent) + os.sep
+    windows = chained("mujoco", 0.02, 8, 128, 4)
+    rb = ReplayBuffer(storage=LazyTensorStorage(4096), transform=AutoresetFilter())
+    for w in windows[:3]:
+        rb.extend(w)
+    seen: list = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            seen.append((frame.f_code.co_filename, frame.f_code.co_firstlineno))
+
+    sys.setprofile(profile)
+    try:
+        rb.extend(windows[3])
+    finally:
+        sys.setprofile(None)
+    modules = sorted({f[len(root) :] for f, _ in seen})
+    return len(seen), len(set(seen)), modules
+
+
+def e2e_cases(table: Table, quick: bool) -> str:
+    """The end-to-end cases of the cost issue; returns the calls-per-extend line."""
+    rounds = 40 if quick else 400
+    e2e_case(
+        table,
+        "[8, 128] MuJoCo-like, 2% reset rows",
+        chained("mujoco", 0.02, 8, 128, rounds + 3),
+        rounds,
+        4096,
+        40,
+        None,
+    )
+    n_steps = (100 if quick else 1000) + 3
+    steps = chained(
+        "mujoco",
+        0.02,
+        16,
+        n_steps,
+        1,
+        drop=("is_init", "step_count", ("next", "step_count"), TRAJ_IDS),
+    )[0]
+    e2e_case(
+        table,
+        "one step of 16 envs (layout='step', consecutive steps, raw-loop rows), MuJoCo-like, "
+        "2% reset rows",
+        [steps[:, t].clone() for t in range(n_steps)],
+        n_steps - 3,
+        4096,
+        15,
+        None,
+        layout="step",
+    )
+    e2e_case(
+        table,
+        "[8, 128] MuJoCo-like, nothing to clean",
+        chained("mujoco", 0.0, 8, 128, rounds + 3),
+        rounds,
+        4096,
+        5,
+        None,
+    )
+    e2e_case(
+        table,
+        "[8, 128] Atari-like, 2% reset rows",
+        chained("atari", 0.02, 8, 128, 4),
+        5 if quick else 30,
+        4096,
+        None,
+        1.05,
+    )
+    repair_case(table, rounds)
+    calls, functions, modules = calls_per_extend()
+    table.add(
+        "cleanbuf Python calls in one rb.extend of a chained [8, 128] MuJoCo-like batch, "
+        "2% reset rows, after warm-up (sys.setprofile)",
+        "-",
+        f"{functions} functions",
+        calls,
+        0,
+        None,
+        unit="calls",
+        note=f"{len(modules)} modules; a measure, not a target",
+    )
+    return f"cleanbuf calls per extend: {calls} calls, {functions} functions, " + (
+        f"{len(modules)} modules: {', '.join(modules)}"
+    )
+
+
 def machine() -> dict:
     return {
         "cpu": platform.processor() or platform.machine(),
@@ -723,17 +945,25 @@ def plot(table: Table, series: dict, path: Path) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds, no subprocess cases")
+    parser.add_argument(
+        "--e2e-only",
+        action="store_true",
+        help="only the end-to-end cases (distinct chained batches) and the calls per extend",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     q = args.quick
     table = Table()
-    for kind, rounds in (("mujoco", 40 if q else 400), ("atari", 3 if q else 30)):
-        for frac in (0.02, 0.10, 0.0):
-            extend_cases(table, kind, frac, rounds)
-    step_case(table, 50 if q else 1000)
-    recipe_case(table, 10 if q else 100)
-    series = kernel_scaling(table, q)
-    if not q:
+    traced = e2e_cases(table, q)
+    series: dict = {}
+    if not args.e2e_only:
+        for kind, rounds in (("mujoco", 40 if q else 400), ("atari", 3 if q else 30)):
+            for frac in (0.02, 0.10, 0.0):
+                extend_cases(table, kind, frac, rounds)
+        step_case(table, 50 if q else 1000)
+        recipe_case(table, 10 if q else 100)
+        series = kernel_scaling(table, q)
+    if not (q or args.e2e_only):
         startup_case(table)
         memory_case(table)
     info = machine()
@@ -742,9 +972,9 @@ def main(argv=None) -> None:
         f"Python {info['python']}, torch {info['torch']}, torchrl {info['torchrl']}, "
         f"tensordict {info['tensordict']}, numba {info['numba']}, numpy {info['numpy']}."
     )
-    md = header + "\n\n" + table.markdown() + "\n"
+    md = header + "\n\n" + table.markdown() + "\n\n" + traced + "\n"
     print(md)
-    if not q:
+    if not (q or args.e2e_only):
         (HERE / "results.md").write_text(md)
         (HERE / "results.json").write_text(
             json.dumps({"machine": info, "rows": table.rows, "kernel_scaling": series}, indent=1)

@@ -177,8 +177,9 @@ def ray_rate(name, frames, filtered):
 def _raw_filter(per_extend):
     if per_extend == 1:
         return AutoresetFilter("next_step", layout="step")
-    # Steps stacked as [E, T]; a raw loop's done row holds its terminal observation.
-    return AutoresetFilter("next_step", layout="time_last", terminal_obs_in_done_row=True)
+    # Steps stacked as [E, T]; a raw loop's done row holds its terminal observation,
+    # which the filter reads from the data (no option needed).
+    return AutoresetFilter("next_step", layout="time_last")
 
 
 def raw_rate(name, frames, filtered, envpool=False, per_extend=1):

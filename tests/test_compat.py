@@ -55,6 +55,9 @@ def test_the_private_names_are_there():
     rb = ReplayBuffer(storage=storage)
     assert online_compat.writer_slot(rb) == (0, 8)  # RoundRobinWriter._cursor
     assert online_compat.storage_leaf(storage, ("a",), torch.tensor([1, 5])).shape == (2, 3)
+    assert online_compat.storage_leaf(storage, ("a",)).shape == (8, 3)  # every slot
+    assert isinstance(storage._len, int)  # online_compat.storage_length
+    assert online_compat.storage_length(storage) == len(storage) == 2
 
 
 def test_fallbacks_match_the_private_paths():

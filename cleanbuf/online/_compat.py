@@ -90,19 +90,44 @@ def writer_slot(rb: Any) -> tuple[int, int] | None:
     return (cursor, capacity) if capacity > 0 else None
 
 
-def storage_leaf(storage: Any, key: tuple, slots: Any) -> Any:
+def storage_length(storage: Any) -> int:
+    """``len(storage)``: the rows a storage counts as written.
+
+    A TorchRL tensor storage's ``__len__`` is wrapped to keep
+    ``torch.compile`` out (several microseconds a call, and the write
+    check reads it twice a call); it returns ``storage._len``, read here
+    directly where it is there.
+
+    Examples:
+        >>> from torchrl.data import LazyTensorStorage
+        >>> storage_length(LazyTensorStorage(4))
+        0
+    """
+    length = getattr(storage, "_len", None)
+    return length if isinstance(length, int) else len(storage)
+
+
+def storage_leaf(storage: Any, key: tuple, slots: Any = None) -> Any:
     """What a storage holds under ``key`` at ``slots``, written or not as far as its length says.
 
     TorchRL's ``storage.get`` stops at ``len(storage)``, which counts the
     rows written, not the slots: after a failed write the writer's cursor
     has moved past slots that ``len`` does not count, and later rows sit
     beyond it. A tensor storage keeps every slot in ``storage._storage``,
-    whose one leaf is indexed (not every leaf: this runs at every call);
+    whose one leaf is read (not every leaf: this runs at every call);
     elsewhere ``storage.get``. None where the key is not stored.
+
+    Args:
+        storage: a TorchRL storage.
+        key: the leaf's key.
+        slots: the slots to read (an index tensor). None: the whole leaf,
+            every slot, uncopied, for a tensor storage; None for any other.
     """
     raw = getattr(storage, "_storage", None)
     if getattr(storage, "initialized", False) and hasattr(raw, "batch_size"):
         leaf = raw.get(key, None)
-        return None if leaf is None else leaf[slots]
+        return leaf if leaf is None or slots is None else leaf[slots]
+    if slots is None:
+        return None
     rows = storage.get(slots)
     return rows.get(key, None) if hasattr(rows, "batch_size") else None
