@@ -90,3 +90,33 @@ def test_envpool_next_step_loop():
             assert torch.equal(nobs_s[i], torch.as_tensor(terminal[key]))
             n_done += 1
     assert n_done == len(terminal) > 0
+
+
+@pytest.mark.parametrize("env_key", list(ENVS))
+def test_time_first_rollouts_match_explicit_resets(env_key):
+    """A raw loop that stacks its steps ``[T, E]`` (CleanRL's rollout) and
+    extends the buffer with each rollout, ``layout="time_first"``. Bugs
+    caught: a time-first batch read with time last (envs taken for steps:
+    reset rows kept, rows of one env mixed with another's), a done row at a
+    rollout's end held forever or its terminal observation lost across the
+    rollout boundary, an odd last rollout ``[T', E]`` refused.
+    """
+    name, kwargs, policy = ENVS[env_key]
+    n_envs, steps = 3, 50
+    _, oracle_rows = run_loop(
+        name, kwargs, policy, n_envs, steps, gym.vector.AutoresetMode.DISABLED
+    )
+    oracle = torch.stack(oracle_rows, dim=1)
+    _, rows = run_loop(name, kwargs, policy, n_envs, steps, gym.vector.AutoresetMode.NEXT_STEP)
+    filt = AutoresetFilter("next_step", layout="time_first")
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000), transform=filt)
+    for start in range(0, steps, 16):  # rollouts of 16 steps, the last one of 2
+        rb.extend(torch.stack(rows[start : start + 16], dim=0))
+    filt.flush(rb)
+    stats = filt.stats
+    assert stats["reset_rows_dropped"] > 0 and stats["terminal_obs_missing"] == 0
+    assert len(rb) == stats["rows_out"] == n_envs * steps - stats["reset_rows_dropped"]
+    lost = compare_streams(
+        streams_from_rows(rb[: len(rb)]), {e: oracle[e] for e in range(n_envs)}, min_rows=30
+    )
+    assert lost == 0
