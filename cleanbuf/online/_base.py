@@ -41,10 +41,16 @@ class OnlineCleaner:
         ``GymWrapper`` (also inside ``TransformedEnv``, and ``ParallelEnv``
         / ``SerialEnv`` of them, where each worker is its own reset group),
         a TorchRL collector (``compact_obs=True`` makes the data
-        observation-only; a multi-worker collector's workers are each their
-        own reset group), a ``RayCollector`` (read in its first remote
-        collector), a Gymnasium ``VectorEnv`` or single env, a
-        Stable-Baselines3 ``VecEnv`` or an EnvPool env.
+        observation-only), a ``MultiSyncCollector`` or
+        ``MultiAsyncCollector`` (each worker its own reset group), a
+        ``RayCollector`` (read in its first remote collector), a Gymnasium
+        ``VectorEnv`` or single env, a Stable-Baselines3 ``VecEnv`` or an
+        EnvPool env. The filter takes every one of them (it tells an async
+        collector's batches apart by trajectory ids). The repair takes a
+        ``MultiSyncCollector``'s stacked ``[W, E, T]`` batches as one
+        producer's, and refuses a producer that yields several producers'
+        batches in turn (``MultiAsyncCollector`` of several workers,
+        ``RayCollector``): repair each worker's batches (``postproc=``).
 
         Args:
             env: the producer.
