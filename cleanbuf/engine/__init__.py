@@ -18,6 +18,8 @@ replaces only when it succeeds. The modules, in the order of the step:
   rollout writer (the repair's ``[*E, T]`` batch).
 * ``_cleaner``: the stateful ``Cleaner`` that runs the step, call after
   call, producer by producer, and goes back on a batch written again.
+* ``_dicts``: dicts of arrays in and out, the one conversion the repair,
+  ``clean`` and ``audit`` share.
 
 Nothing here imports torchrl or knows a file format: the online side
 (``cleanbuf.online``) and the offline side (``cleanbuf.offline``) both feed
