@@ -295,33 +295,58 @@ def move(
     """
     out, new_held = Views({}), {}
     tensors = out.tensors
-    hold_rows = RowIndex(hold)
-    if len(rel_slots) == 0 and len(emit) == n_rows:
+    n_rel = len(rel_slots)
+    if n_rel == 0 and len(emit) == n_rows:
         for k in moved:
             x = views.flat(k)
             tensors[k] = x.clone() if k in patched else x
     else:
         emit_rows, slots = RowIndex(emit), RowIndex(rel_slots)
-        size = len(rel_slots) + len(emit)
-        small = 0 if len(rel_slots) else SMALL_ROW_BYTES * n_rows  # take() up to this size
+        size = n_rel + len(emit)
+        small = SMALL_ROW_BYTES * n_rows  # take() up to this size
         for k, x in moved.items():
-            a = views[k] if small else None
+            a = views[k]
             if a is not None and a.nbytes <= small:
-                # Small rows on the CPU: numpy's take (see _move), whose
+                # Small rows on the CPU: numpy's take (see above), whose
                 # result is kept as the output's numpy view for the patches.
-                out[k] = a = a.take(emit, axis=0)
-                tensors[k] = torch.from_numpy(a)
-                continue
+                a = _take_small(a, emit, held[k] if n_rel else None, rel_slots, size)
+                if a is not None:
+                    out[k] = a
+                    tensors[k] = torch.from_numpy(a)
+                    continue
             buf = None
             if x.nbytes >= MIN_POOLED_BYTES:
                 feature = x.shape[views.batch_dims :]
                 buf = pool.take(k, (size, *feature), x.dtype, x.device)
-            head = held[k].index_select(0, slots.on(held[k].device)) if len(slots) else None
+            head = held[k].index_select(0, slots.on(held[k].device)) if n_rel else None
             tensors[k] = gather(views.flat(k), emit_rows, head, buf)
-    if len(hold_rows):
+    if len(hold):
+        hold_rows = RowIndex(hold)
+        small = SMALL_ROW_BYTES * n_rows
         for k in moved:
-            new_held[k] = gather(views.flat(k), hold_rows)
+            a = views[k]
+            if a is not None and a.nbytes <= small:
+                new_held[k] = torch.from_numpy(a.take(hold, axis=0))
+            else:
+                new_held[k] = gather(views.flat(k), hold_rows)
     return out, new_held
+
+
+def _take_small(
+    a: np.ndarray, emit: np.ndarray, held: torch.Tensor | None, slots: np.ndarray, size: int
+) -> np.ndarray | None:
+    """``concatenate([held[slots], a[emit]])`` with numpy, in one output; None if the
+    held rows have no numpy view of ``a``'s dtype and row shape (then torch moves them).
+    """
+    if held is None:
+        return a.take(emit, axis=0)
+    h = numpy_view(held)
+    if h is None or h.dtype != a.dtype or h.shape[1:] != a.shape[1:]:
+        return None
+    out = np.empty((size, *a.shape[1:]), a.dtype)
+    h.take(slots, axis=0, out=out[: len(slots)])
+    a.take(emit, axis=0, out=out[len(slots) :])
+    return out
 
 
 def write_next_obs(
