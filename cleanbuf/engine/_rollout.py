@@ -75,11 +75,6 @@ class _Rows:
     def tensors(self) -> dict:
         return self.views.tensors
 
-    def take(self, rows: np.ndarray) -> _Rows:
-        idx = torch.from_numpy(rows)
-        tensors = {k: v.index_select(0, idx.to(v.device)) for k, v in self.tensors.items()}
-        return _Rows(tensors, self.kind[rows])
-
 
 class Rollouts:
     """The cleaner's second output form: batches ``[*E, T]`` repaired in place.
@@ -268,15 +263,8 @@ class Rollouts:
         self._shape = shape = tuple(td.batch_size[:-1])
         steps = td.batch_size[-1]
         n_streams = int(np.prod(shape, dtype=np.int64))
-        if hold:
-            last = np.arange(steps - 1, n_streams * steps, steps)
-            out = rows.take(np.setdiff1d(np.arange(n_streams * steps), last))
-            new_held, steps = rows.take(last), steps - 1
-        else:
-            out, new_held = rows, None
-        if self._held is not None:
-            out = _interleave(self._held, out, n_streams, steps)
-            steps += 1
+        out, new_held = _columns(self._held, rows, n_streams, steps, hold)
+        steps += int(self._held is not None) - int(hold)  # a column in front, one held
         self._held = new_held
         s = self._stats
         s["rows_in"] += n_streams * td.batch_size[-1]
@@ -379,15 +367,28 @@ class Rollouts:
         self._stats = dict.fromkeys(ROLLOUT_STATS, 0) | dict(state["stats"])
 
 
-def _interleave(head: _Rows, body: _Rows, n_streams: int, steps: int) -> _Rows:
-    """Per stream, the head's row then the body's ``steps`` rows (flat, time last)."""
-    tensors = {}
+def _columns(head: _Rows | None, body: _Rows, n_streams: int, steps: int, hold: bool):
+    """Per stream, the head's row (if any) then the body's rows, but for its last
+    when ``hold``: ``(out, held)``, the held rows being each stream's last (None
+    unless ``hold``). Each leaf is written once, into one new tensor.
+    """
+    if head is None and not hold:
+        return body, None
+    n_head, keep = int(head is not None), steps - 1 if hold else steps
+    tensors, held = {}, {}
     for k, v in body.tensors.items():
-        h = head.tensors[k].to(v.device)
-        a = torch.cat([h.reshape(n_streams, 1, *h.shape[1:]),
-                       v.reshape(n_streams, steps, *v.shape[1:])], dim=1)  # fmt: skip
-        tensors[k] = a.reshape(n_streams * (steps + 1), *v.shape[1:])
-    kind = np.concatenate(
-        [head.kind.reshape(n_streams, 1), body.kind.reshape(n_streams, steps)], axis=1
-    )
-    return _Rows(tensors, kind.reshape(-1))
+        feature = v.shape[1:]
+        by_stream = v.reshape(n_streams, steps, *feature)
+        out = torch.empty((n_streams, n_head + keep, *feature), dtype=v.dtype, device=v.device)
+        if n_head:
+            out[:, 0] = head.tensors[k].to(v.device).reshape(n_streams, *feature)
+        out[:, n_head:] = by_stream[:, :keep]
+        tensors[k] = out.reshape(n_streams * (n_head + keep), *feature)
+        if hold:
+            held[k] = by_stream[:, steps - 1].clone(memory_format=torch.contiguous_format)
+    kind = body.kind.reshape(n_streams, steps)
+    out_kind = kind[:, :keep]
+    if n_head:
+        out_kind = np.concatenate([head.kind.reshape(n_streams, 1), out_kind], axis=1)
+    new_held = _Rows(held, kind[:, steps - 1].copy()) if hold else None
+    return _Rows(tensors, out_kind.reshape(-1)), new_held
