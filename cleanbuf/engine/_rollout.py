@@ -46,7 +46,7 @@ from cleanbuf.engine._keys import DONE_KEYS, done_flags, observation_keys
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._plan import lost_policy
 from cleanbuf.engine._read import stored_rows
-from cleanbuf.engine._write import Views, fill_rows, fix_bookkeeping, set_rows
+from cleanbuf.engine._write import Views, fill_rows, fix_bookkeeping, numpy_view, set_rows
 
 # What each returned row is (int8 per row).
 VALID, RESET, LOST = 0, 1, 2
@@ -377,15 +377,33 @@ def _columns(head: _Rows | None, body: _Rows, n_streams: int, steps: int, hold: 
     n_head, keep = int(head is not None), steps - 1 if hold else steps
     tensors, held = {}, {}
     for k, v in body.tensors.items():
+        a = body.views[k]
+        h = numpy_view(head.tensors[k]) if n_head and a is not None else None
+        if h is not None and (h.dtype != a.dtype or h.shape[1:] != a.shape[1:]):
+            h = None  # (torch below says what differs)
+        if a is not None and (h is not None or not n_head):
+            # CPU rows: numpy, whose per-call cost is a fraction of torch's
+            by_stream = a.reshape(n_streams, steps, *a.shape[1:])
+            out = np.empty((n_streams, n_head + keep, *a.shape[1:]), a.dtype)
+            if n_head:
+                out[:, 0] = h.reshape(n_streams, *a.shape[1:])
+            out[:, n_head:] = by_stream[:, :keep]
+            tensors[k] = torch.from_numpy(out.reshape(-1, *a.shape[1:]))
+            if hold:
+                held[k] = torch.from_numpy(by_stream[:, steps - 1].copy())
+            continue
         feature = v.shape[1:]
         by_stream = v.reshape(n_streams, steps, *feature)
-        out = torch.empty((n_streams, n_head + keep, *feature), dtype=v.dtype, device=v.device)
+        kept = by_stream.narrow(1, 0, keep)  # (narrow, select, cat: no __setitem__, dearer)
         if n_head:
-            out[:, 0] = head.tensors[k].to(v.device).reshape(n_streams, *feature)
-        out[:, n_head:] = by_stream[:, :keep]
+            h = head.tensors[k].to(v.device).reshape(n_streams, 1, *feature)
+            out = torch.cat([h, kept], dim=1)
+        else:
+            out = kept.clone(memory_format=torch.contiguous_format)
         tensors[k] = out.reshape(n_streams * (n_head + keep), *feature)
         if hold:
-            held[k] = by_stream[:, steps - 1].clone(memory_format=torch.contiguous_format)
+            last = by_stream.select(1, steps - 1)
+            held[k] = last.clone(memory_format=torch.contiguous_format)
     kind = body.kind.reshape(n_streams, steps)
     out_kind = kind[:, :keep]
     if n_head:
