@@ -148,7 +148,7 @@ class Rollouts:
         cleaner = self.cleaner
         call = cleaner.read(td)
         n = call.layout.n_rows
-        rows = _Rows({k: call.views.flat(k).clone() for k in call.moved}, np.zeros(n, np.int8))
+        rows = _copies(call.views, call.moved, n)
         if call.carry is None:  # disabled mode: nothing to repair
             return self._emit(td, rows, hold=False, counts={})
         call.rules = call.rules._replace(drop_lost=False)  # lost rows are masked, not gone
@@ -365,6 +365,24 @@ class Rollouts:
         )
         self._shape = None if state["shape"] is None else tuple(state["shape"])
         self._stats = dict.fromkeys(ROLLOUT_STATS, 0) | dict(state["stats"])
+
+
+def _copies(views: Views, keys, n: int) -> _Rows:
+    """Copies of the call's rows (``keys``), to patch: numpy's copies where the
+    rows have numpy views (a fraction of torch's per-leaf cost), kept as the
+    copies' views.
+    """
+    tensors, arrays = {}, {}
+    for k in keys:
+        a = views[k]
+        if a is None:
+            tensors[k] = views.flat(k).clone()
+        else:
+            arrays[k] = a = a.copy()
+            tensors[k] = torch.from_numpy(a)
+    rows = _Rows(tensors, np.zeros(n, np.int8))
+    rows.views.update(arrays)
+    return rows
 
 
 def _columns(head: _Rows | None, body: _Rows, n_streams: int, steps: int, hold: bool):
