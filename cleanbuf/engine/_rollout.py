@@ -46,7 +46,7 @@ from cleanbuf.engine._keys import DONE_KEYS, done_flags, observation_keys
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._plan import lost_policy
 from cleanbuf.engine._read import stored_rows
-from cleanbuf.engine._write import Views, fill_rows, fix_bookkeeping, numpy_view, set_rows
+from cleanbuf.engine._write import Views, fill_rows, fix_bookkeeping, set_rows
 
 # What each returned row is (int8 per row).
 VALID, RESET, LOST = 0, 1, 2
@@ -393,22 +393,26 @@ def _columns(head: _Rows | None, body: _Rows, n_streams: int, steps: int, hold: 
     if head is None and not hold:
         return body, None
     n_head, keep = int(head is not None), steps - 1 if hold else steps
-    tensors, held = {}, {}
+    tensors, held, arrays, held_arrays = {}, {}, {}, {}
     for k, v in body.tensors.items():
         a = body.views[k]
-        h = numpy_view(head.tensors[k]) if n_head and a is not None else None
+        h = head.views[k] if n_head and a is not None else None
         if h is not None and (h.dtype != a.dtype or h.shape[1:] != a.shape[1:]):
             h = None  # (torch below says what differs)
         if a is not None and (h is not None or not n_head):
-            # CPU rows: numpy, whose per-call cost is a fraction of torch's
-            by_stream = a.reshape(n_streams, steps, *a.shape[1:])
-            out = np.empty((n_streams, n_head + keep, *a.shape[1:]), a.dtype)
+            # CPU rows: numpy, whose per-call cost is a fraction of torch's; the
+            # arrays are kept as the rows' views
+            feature = a.shape[1:]
+            by_stream = a.reshape(n_streams, steps, *feature)
+            out = np.empty((n_streams, n_head + keep, *feature), a.dtype)
             if n_head:
-                out[:, 0] = h.reshape(n_streams, *a.shape[1:])
+                out[:, 0] = h.reshape(n_streams, *feature)
             out[:, n_head:] = by_stream[:, :keep]
-            tensors[k] = torch.from_numpy(out.reshape(-1, *a.shape[1:]))
+            arrays[k] = out = out.reshape(-1, *feature)
+            tensors[k] = torch.from_numpy(out)
             if hold:
-                held[k] = torch.from_numpy(by_stream[:, steps - 1].copy())
+                held_arrays[k] = last = by_stream[:, steps - 1].copy()
+                held[k] = torch.from_numpy(last)
             continue
         feature = v.shape[1:]
         by_stream = v.reshape(n_streams, steps, *feature)
@@ -426,5 +430,10 @@ def _columns(head: _Rows | None, body: _Rows, n_streams: int, steps: int, hold: 
     out_kind = kind[:, :keep]
     if n_head:
         out_kind = np.concatenate([head.kind.reshape(n_streams, 1), out_kind], axis=1)
-    new_held = _Rows(held, kind[:, steps - 1].copy()) if hold else None
-    return _Rows(tensors, out_kind.reshape(-1)), new_held
+    new_held = None
+    if hold:
+        new_held = _Rows(held, kind[:, steps - 1].copy())
+        new_held.views.update(held_arrays)
+    out = _Rows(tensors, out_kind.reshape(-1))
+    out.views.update(arrays)
+    return out, new_held
