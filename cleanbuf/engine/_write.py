@@ -309,7 +309,7 @@ def move(
             if a is not None and a.nbytes <= small:
                 # Small rows on the CPU: numpy's take (see above), whose
                 # result is kept as the output's numpy view for the patches.
-                a = _take_small(a, emit, held[k] if n_rel else None, rel_slots, size)
+                a = _take_small(a, emit, held[k], rel_slots, size) if n_rel else a.take(emit, 0)
                 if a is not None:
                     out[k] = a
                     tensors[k] = torch.from_numpy(a)
@@ -333,13 +333,11 @@ def move(
 
 
 def _take_small(
-    a: np.ndarray, emit: np.ndarray, held: torch.Tensor | None, slots: np.ndarray, size: int
+    a: np.ndarray, emit: np.ndarray, held: torch.Tensor, slots: np.ndarray, size: int
 ) -> np.ndarray | None:
     """``concatenate([held[slots], a[emit]])`` with numpy, in one output; None if the
     held rows have no numpy view of ``a``'s dtype and row shape (then torch moves them).
     """
-    if held is None:
-        return a.take(emit, axis=0)
     h = numpy_view(held)
     if h is None or h.dtype != a.dtype or h.shape[1:] != a.shape[1:]:
         return None
