@@ -46,7 +46,7 @@ from cleanbuf.engine._keys import DONE_KEYS, done_flags, observation_keys
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._plan import lost_policy
 from cleanbuf.engine._read import stored_rows
-from cleanbuf.engine._write import Views, fill_rows, fix_bookkeeping, set_rows
+from cleanbuf.engine._write import Views, fill_rows, fix_bookkeeping, set_rows, take_rows
 
 # What each returned row is (int8 per row).
 VALID, RESET, LOST = 0, 1, 2
@@ -156,11 +156,7 @@ class Rollouts:
         counts = self._patch(call, plan, rows)
         held = self._release(call, plan, counts)
         hold = plan.sel.hold
-        new_held = {}
-        if len(hold):
-            idx = torch.from_numpy(hold)
-            new_held = {k: call.views.flat(k).index_select(0, idx.to(v.device))
-                        for k, v in call.moved.items()}  # fmt: skip
+        new_held = take_rows(call.views, call.moved, hold) if len(hold) else {}
         cleaner.commit(call, plan, new_held)  # nothing raises from here on
         self._held = held
         return self._emit(td, rows, hold=call.rules.hold_done, counts=counts)

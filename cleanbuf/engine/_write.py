@@ -321,15 +321,30 @@ def move(
             head = held[k].index_select(0, slots.on(held[k].device)) if n_rel else None
             tensors[k] = gather(views.flat(k), emit_rows, head, buf)
     if len(hold):
-        hold_rows = RowIndex(hold)
-        small = SMALL_ROW_BYTES * n_rows
-        for k in moved:
-            a = views[k]
-            if a is not None and a.nbytes <= small:
-                new_held[k] = torch.from_numpy(a.take(hold, axis=0))
-            else:
-                new_held[k] = gather(views.flat(k), hold_rows)
+        new_held = take_rows(views, moved, hold)
     return out, new_held
+
+
+def take_rows(views: Views, keys, rows: np.ndarray) -> dict:
+    """``{k: views[k][rows]}`` for ``keys``, as new tensors (the rows a call holds).
+
+    Small CPU rows with numpy's take from the views the call already made,
+    others with :func:`gather`.
+
+    Examples:
+        >>> views = Views({"a": torch.arange(4.0).reshape(2, 2)}, 2, 4)
+        >>> take_rows(views, ["a"], np.array([3, 0]))["a"].tolist()
+        [3.0, 0.0]
+    """
+    index, small = RowIndex(rows), SMALL_ROW_BYTES * views.n_rows
+    out = {}
+    for k in keys:
+        a = views[k]
+        if a is not None and a.nbytes <= small:
+            out[k] = torch.from_numpy(a.take(rows, axis=0))
+        else:
+            out[k] = gather(views.flat(k), index)
+    return out
 
 
 def _take_small(
