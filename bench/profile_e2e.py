@@ -8,10 +8,10 @@ extends of distinct chained batches through the filter's buffer.
 from __future__ import annotations
 
 import cProfile
-import torch
 import pstats
 import sys
 
+import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from bench.run import TRAJ_IDS, Feed, chained

@@ -364,9 +364,10 @@ class Rollouts:
 
 
 def _copies(views: Views, keys, n: int) -> _Rows:
-    """Copies of the call's rows (``keys``), to patch: numpy's copies where the
-    rows have numpy views (a fraction of torch's per-leaf cost), kept as the
-    copies' views.
+    """Copies of the call's rows (``keys``), to patch.
+
+    numpy's copies where the rows have numpy views (a fraction of torch's
+    per-leaf cost), kept as the copies' views; torch's clone elsewhere.
     """
     tensors, arrays = {}, {}
     for k in keys:
@@ -382,8 +383,9 @@ def _copies(views: Views, keys, n: int) -> _Rows:
 
 
 def _columns(head: _Rows | None, body: _Rows, n_streams: int, steps: int, hold: bool):
-    """Per stream, the head's row (if any) then the body's rows, but for its last
-    when ``hold``: ``(out, held)``, the held rows being each stream's last (None
+    """Per stream, the head's row (if any), then the body's rows but its last if ``hold``.
+
+    Returns ``(out, held)``: the held rows are each stream's last (None
     unless ``hold``). Each leaf is written once, into one new tensor.
     """
     if head is None and not hold:

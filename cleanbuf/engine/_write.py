@@ -350,8 +350,10 @@ def take_rows(views: Views, keys, rows: np.ndarray) -> dict:
 def _take_small(
     a: np.ndarray, emit: np.ndarray, held: torch.Tensor, slots: np.ndarray, size: int
 ) -> np.ndarray | None:
-    """``concatenate([held[slots], a[emit]])`` with numpy, in one output; None if the
-    held rows have no numpy view of ``a``'s dtype and row shape (then torch moves them).
+    """``concatenate([held[slots], a[emit]])`` with numpy, in one output.
+
+    None if the held rows have no numpy view of ``a``'s dtype and row shape
+    (then torch moves them).
     """
     h = numpy_view(held)
     if h is None or h.dtype != a.dtype or h.shape[1:] != a.shape[1:]:
