@@ -662,8 +662,8 @@ class Reader:
         call.obs_keys, call.obs_only = self._observation_keys(leaves)
         dims = td.batch_dims
         call.schema = {k: (leaves[k].dtype, leaves[k].shape[dims:]) for k in call.obs_keys}
-        if carry.obs_schema and not carry.is_blank():
-            same_observations(carry.obs_schema, call.schema)
+        if carry.obs_schema and carry.obs_schema != call.schema and not carry.is_blank():
+            same_observations(carry.obs_schema, call.schema)  # (is_blank: 3 us, read last)
         if opts.mode == "same_step":
             call.final_of, call.final_present, entry_keys = final_entries(
                 leaves, opts.final_obs_key, call.obs_keys, layout.n_rows, td.batch_dims

@@ -46,7 +46,7 @@ from cleanbuf.engine._keys import DONE_KEYS, done_flags, observation_keys
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._plan import lost_policy
 from cleanbuf.engine._read import stored_rows
-from cleanbuf.engine._write import Views, fill_rows, fix_bookkeeping, set_rows
+from cleanbuf.engine._write import Views, fill_rows, fix_bookkeeping, set_rows, take_rows
 
 # What each returned row is (int8 per row).
 VALID, RESET, LOST = 0, 1, 2
@@ -74,11 +74,6 @@ class _Rows:
     @property
     def tensors(self) -> dict:
         return self.views.tensors
-
-    def take(self, rows: np.ndarray) -> _Rows:
-        idx = torch.from_numpy(rows)
-        tensors = {k: v.index_select(0, idx.to(v.device)) for k, v in self.tensors.items()}
-        return _Rows(tensors, self.kind[rows])
 
 
 class Rollouts:
@@ -153,7 +148,7 @@ class Rollouts:
         cleaner = self.cleaner
         call = cleaner.read(td)
         n = call.layout.n_rows
-        rows = _Rows({k: call.views.flat(k).clone() for k in call.moved}, np.zeros(n, np.int8))
+        rows = _copies(call.views, call.moved, n)
         if call.carry is None:  # disabled mode: nothing to repair
             return self._emit(td, rows, hold=False, counts={})
         call.rules = call.rules._replace(drop_lost=False)  # lost rows are masked, not gone
@@ -161,11 +156,7 @@ class Rollouts:
         counts = self._patch(call, plan, rows)
         held = self._release(call, plan, counts)
         hold = plan.sel.hold
-        new_held = {}
-        if len(hold):
-            idx = torch.from_numpy(hold)
-            new_held = {k: call.views.flat(k).index_select(0, idx.to(v.device))
-                        for k, v in call.moved.items()}  # fmt: skip
+        new_held = take_rows(call.views, call.moved, hold) if len(hold) else {}
         cleaner.commit(call, plan, new_held)  # nothing raises from here on
         self._held = held
         return self._emit(td, rows, hold=call.rules.hold_done, counts=counts)
@@ -268,15 +259,8 @@ class Rollouts:
         self._shape = shape = tuple(td.batch_size[:-1])
         steps = td.batch_size[-1]
         n_streams = int(np.prod(shape, dtype=np.int64))
-        if hold:
-            last = np.arange(steps - 1, n_streams * steps, steps)
-            out = rows.take(np.setdiff1d(np.arange(n_streams * steps), last))
-            new_held, steps = rows.take(last), steps - 1
-        else:
-            out, new_held = rows, None
-        if self._held is not None:
-            out = _interleave(self._held, out, n_streams, steps)
-            steps += 1
+        out, new_held = _columns(self._held, rows, n_streams, steps, hold)
+        steps += int(self._held is not None) - int(hold)  # a column in front, one held
         self._held = new_held
         s = self._stats
         s["rows_in"] += n_streams * td.batch_size[-1]
@@ -379,15 +363,75 @@ class Rollouts:
         self._stats = dict.fromkeys(ROLLOUT_STATS, 0) | dict(state["stats"])
 
 
-def _interleave(head: _Rows, body: _Rows, n_streams: int, steps: int) -> _Rows:
-    """Per stream, the head's row then the body's ``steps`` rows (flat, time last)."""
-    tensors = {}
+def _copies(views: Views, keys, n: int) -> _Rows:
+    """Copies of the call's rows (``keys``), to patch.
+
+    numpy's copies where the rows have numpy views (a fraction of torch's
+    per-leaf cost), kept as the copies' views; torch's clone elsewhere.
+    """
+    tensors, arrays = {}, {}
+    for k in keys:
+        a = views[k]
+        if a is None:
+            tensors[k] = views.flat(k).clone()
+        else:
+            arrays[k] = a = a.copy()
+            tensors[k] = torch.from_numpy(a)
+    rows = _Rows(tensors, np.zeros(n, np.int8))
+    rows.views.update(arrays)
+    return rows
+
+
+def _columns(head: _Rows | None, body: _Rows, n_streams: int, steps: int, hold: bool):
+    """Per stream, the head's row (if any), then the body's rows but its last if ``hold``.
+
+    Returns ``(out, held)``: the held rows are each stream's last (None
+    unless ``hold``). Each leaf is written once, into one new tensor.
+    """
+    if head is None and not hold:
+        return body, None
+    n_head, keep = int(head is not None), steps - 1 if hold else steps
+    tensors, held, arrays, held_arrays = {}, {}, {}, {}
     for k, v in body.tensors.items():
-        h = head.tensors[k].to(v.device)
-        a = torch.cat([h.reshape(n_streams, 1, *h.shape[1:]),
-                       v.reshape(n_streams, steps, *v.shape[1:])], dim=1)  # fmt: skip
-        tensors[k] = a.reshape(n_streams * (steps + 1), *v.shape[1:])
-    kind = np.concatenate(
-        [head.kind.reshape(n_streams, 1), body.kind.reshape(n_streams, steps)], axis=1
-    )
-    return _Rows(tensors, kind.reshape(-1))
+        a = body.views[k]
+        h = head.views[k] if n_head and a is not None else None
+        if h is not None and (h.dtype != a.dtype or h.shape[1:] != a.shape[1:]):
+            h = None  # (torch below says what differs)
+        if a is not None and (h is not None or not n_head):
+            # CPU rows: numpy, whose per-call cost is a fraction of torch's; the
+            # arrays are kept as the rows' views
+            feature = a.shape[1:]
+            by_stream = a.reshape(n_streams, steps, *feature)
+            out = np.empty((n_streams, n_head + keep, *feature), a.dtype)
+            if n_head:
+                out[:, 0] = h.reshape(n_streams, *feature)
+            out[:, n_head:] = by_stream[:, :keep]
+            arrays[k] = out = out.reshape(-1, *feature)
+            tensors[k] = torch.from_numpy(out)
+            if hold:
+                held_arrays[k] = last = by_stream[:, steps - 1].copy()
+                held[k] = torch.from_numpy(last)
+            continue
+        feature = v.shape[1:]
+        by_stream = v.reshape(n_streams, steps, *feature)
+        kept = by_stream.narrow(1, 0, keep)  # (narrow, select, cat: no __setitem__, dearer)
+        if n_head:
+            h = head.tensors[k].to(v.device).reshape(n_streams, 1, *feature)
+            out = torch.cat([h, kept], dim=1)
+        else:
+            out = kept.clone(memory_format=torch.contiguous_format)
+        tensors[k] = out.reshape(n_streams * (n_head + keep), *feature)
+        if hold:
+            last = by_stream.select(1, steps - 1)
+            held[k] = last.clone(memory_format=torch.contiguous_format)
+    kind = body.kind.reshape(n_streams, steps)
+    out_kind = kind[:, :keep]
+    if n_head:
+        out_kind = np.concatenate([head.kind.reshape(n_streams, 1), out_kind], axis=1)
+    new_held = None
+    if hold:
+        new_held = _Rows(held, kind[:, steps - 1].copy())
+        new_held.views.update(held_arrays)
+    out = _Rows(tensors, out_kind.reshape(-1))
+    out.views.update(arrays)
+    return out, new_held

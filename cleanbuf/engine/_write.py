@@ -295,33 +295,73 @@ def move(
     """
     out, new_held = Views({}), {}
     tensors = out.tensors
-    hold_rows = RowIndex(hold)
-    if len(rel_slots) == 0 and len(emit) == n_rows:
+    n_rel = len(rel_slots)
+    if n_rel == 0 and len(emit) == n_rows:
         for k in moved:
             x = views.flat(k)
             tensors[k] = x.clone() if k in patched else x
     else:
         emit_rows, slots = RowIndex(emit), RowIndex(rel_slots)
-        size = len(rel_slots) + len(emit)
-        small = 0 if len(rel_slots) else SMALL_ROW_BYTES * n_rows  # take() up to this size
+        size = n_rel + len(emit)
+        small = SMALL_ROW_BYTES * n_rows  # take() up to this size
         for k, x in moved.items():
-            a = views[k] if small else None
+            a = views[k]
             if a is not None and a.nbytes <= small:
-                # Small rows on the CPU: numpy's take (see _move), whose
+                # Small rows on the CPU: numpy's take (see above), whose
                 # result is kept as the output's numpy view for the patches.
-                out[k] = a = a.take(emit, axis=0)
-                tensors[k] = torch.from_numpy(a)
-                continue
+                a = _take_small(a, emit, held[k], rel_slots, size) if n_rel else a.take(emit, 0)
+                if a is not None:
+                    out[k] = a
+                    tensors[k] = torch.from_numpy(a)
+                    continue
             buf = None
             if x.nbytes >= MIN_POOLED_BYTES:
                 feature = x.shape[views.batch_dims :]
                 buf = pool.take(k, (size, *feature), x.dtype, x.device)
-            head = held[k].index_select(0, slots.on(held[k].device)) if len(slots) else None
+            head = held[k].index_select(0, slots.on(held[k].device)) if n_rel else None
             tensors[k] = gather(views.flat(k), emit_rows, head, buf)
-    if len(hold_rows):
-        for k in moved:
-            new_held[k] = gather(views.flat(k), hold_rows)
+    if len(hold):
+        new_held = take_rows(views, moved, hold)
     return out, new_held
+
+
+def take_rows(views: Views, keys, rows: np.ndarray) -> dict:
+    """``{k: views[k][rows]}`` for ``keys``, as new tensors (the rows a call holds).
+
+    Small CPU rows with numpy's take from the views the call already made,
+    others with :func:`gather`.
+
+    Examples:
+        >>> views = Views({"a": torch.arange(4.0).reshape(2, 2)}, 2, 4)
+        >>> take_rows(views, ["a"], np.array([3, 0]))["a"].tolist()
+        [3.0, 0.0]
+    """
+    index, small = RowIndex(rows), SMALL_ROW_BYTES * views.n_rows
+    out = {}
+    for k in keys:
+        a = views[k]
+        if a is not None and a.nbytes <= small:
+            out[k] = torch.from_numpy(a.take(rows, axis=0))
+        else:
+            out[k] = gather(views.flat(k), index)
+    return out
+
+
+def _take_small(
+    a: np.ndarray, emit: np.ndarray, held: torch.Tensor, slots: np.ndarray, size: int
+) -> np.ndarray | None:
+    """``concatenate([held[slots], a[emit]])`` with numpy, in one output.
+
+    None if the held rows have no numpy view of ``a``'s dtype and row shape
+    (then torch moves them).
+    """
+    h = numpy_view(held)
+    if h is None or h.dtype != a.dtype or h.shape[1:] != a.shape[1:]:
+        return None
+    out = np.empty((size, *a.shape[1:]), a.dtype)
+    h.take(slots, axis=0, out=out[: len(slots)])
+    a.take(emit, axis=0, out=out[len(slots) :])
+    return out
 
 
 def write_next_obs(

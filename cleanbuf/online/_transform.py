@@ -300,9 +300,11 @@ class AutoresetFilter(OnlineCleaner, Transform):
                 "the held rows its call released) are not stored; the filter is back to "
                 f"before that batch: write it again before this one. {err}"
             ) from None
+        last_write = None
         if slot is not None:
-            self._last_write = _writes.record(rb, slot, out)
-        if self._tracks_writes() and self._last_write is None:
+            # (per-call fields go into __dict__: nn.Module.__setattr__ costs more)
+            last_write = self.__dict__["_last_write"] = _writes.record(rb, slot, out)
+        if self._tracks_writes() and last_write is None:
             self._engine.last_call_stored()  # nothing to write, or no buffer: no retry
         self._count_lost(self._engine.count("terminal_obs_missing") - lost)
         if self._copies is not None:
@@ -323,9 +325,10 @@ class AutoresetFilter(OnlineCleaner, Transform):
         Stored: a batch written again is a duplicate. Not stored: the
         cleaner goes back to before that call.
         """
-        last, self._last_write = self._last_write, None
+        last = self._last_write
         if last is None:
             return False
+        self.__dict__["_last_write"] = None  # (nn.Module.__setattr__ costs more)
         stored = last.stored()
         if stored:
             self._engine.last_call_stored()
