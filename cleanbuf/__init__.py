@@ -11,7 +11,7 @@ The public API:
   ``cleanbuf audit`` / ``cleanbuf clean`` command line).
 * :func:`step_rows`: one raw vector-env step as the rows the filter expects.
 * :class:`RolloutRepair`: the same cleaning for on-policy learners: the
-  collector's ``[*E, T]`` batch repaired in place (time axis kept, reset rows
+  collector's ``[*E, T]`` batch returned repaired (time axis kept, reset rows
   masked), so that GAE and the PPO loss equal the explicit-reset run.
 * :func:`lossless_gym_env`: TorchRL's ``GymEnv(name, num_envs=N)`` on a
   vector env that loses no terminal observation (no filter needed).

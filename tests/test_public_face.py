@@ -72,7 +72,24 @@ def test_a_misspelt_option_names_the_options(make):
     args = (next_step_batch(1, 4, 0),) if make is cleanbuf.clean else ()
     with pytest.raises(CleanbufError, match=r"unknown option\(s\) \['joint_rest'\]") as info:
         make(*args, joint_rest=True)
-    assert "joint_reset" in str(info.value)
+    listed = str(info.value)
+    assert "'joint_reset'" in listed
+    # each entry lists its own options: the repair's mask_key and not the
+    # filter's flat-row options, which it refuses; clean()'s dst
+    assert ("'mask_key'" in listed) == (make is RolloutRepair)
+    assert ("'stream_key'" in listed) == (make is not RolloutRepair)
+    assert ("'dst'" in listed) == (make is cleanbuf.clean)
+
+
+def test_options_built_directly_are_checked():
+    """Bug caught: ``Options(layout="nonsense")`` accepted (only
+    ``Options.build`` checked), so a cleaner built from it fails later, deep
+    inside a call, or reads the batch under no known layout.
+    """
+    for field, value in (("mode", "next"), ("layout", "rows"), ("on_lost_terminal_obs", "zero")):
+        with pytest.raises(CleanbufError, match=f"Options\\({field}="):
+            Options(**{field: value})
+    assert Options(layout="time_first").layout == "time_first"
 
 
 @pytest.mark.parametrize("option", sorted(FLAT_ROW_OPTIONS))
@@ -208,3 +225,36 @@ def test_repair_state_has_the_filters_layout_and_refuses_a_foreign_one():
         assert fresh.stats["rows_held"] == 2
         torch.testing.assert_close(fresh.flush(), expected, equal_nan=True)
         assert fresh.stats == repair.stats
+
+
+def test_clean_and_a_direct_call_warn_at_the_users_line():
+    """Bugs caught: ``cleanbuf.clean`` returning NaN next observations
+    without a word (the README says lost observations are warned about),
+    and the filter called directly (a collector's ``postproc``) warning at a
+    line inside torch's ``Module.__call__``.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = cleanbuf.clean(_joint_batch(True), joint_reset=True)
+        cleanbuf.clean(_joint_batch(True), joint_reset=True, on_lost_terminal_obs="nan")
+        AutoresetFilter("next_step", joint_reset=True)(_joint_batch(True))
+    lost = lost_warnings(caught)
+    assert len(lost) == 2, [str(w.message) for w in lost]
+    assert str(lost[0].message).startswith("2 terminal observation(s) were lost before clean()")
+    assert "before the filter saw" in str(lost[1].message)
+    assert all(w.filename == __file__ for w in lost), [w.filename for w in lost]
+    assert int(out["next", "observation"].isnan().sum()) == 2
+
+
+def test_a_filter_refuses_a_repairs_state_by_name():
+    """Bug caught: a repair's state given to a filter failing on an unrelated
+    field ("state field 'version'"), so the user cannot tell they mixed the
+    two checkpoints; or loaded half-way.
+    """
+    repair = RolloutRepair("next_step")
+    repair(next_step_batch(2, 12, 0))
+    filt = AutoresetFilter("next_step")
+    before = filt.state_dict()
+    with pytest.raises(cleanbuf.StateError, match="RolloutRepair's state"):
+        filt.load_state_dict(repair.state_dict())
+    assert str(filt.state_dict()) == str(before)

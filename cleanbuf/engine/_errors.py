@@ -63,8 +63,9 @@ def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning name the user's line.
 
     Counted from the function that calls ``warnings.warn``: the first frame
-    outside cleanbuf, TorchRL and tensordict (a filter's warning is raised
-    below ``rb.extend``, several frames of TorchRL deep).
+    outside cleanbuf, TorchRL, tensordict and torch (a filter's warning is
+    raised below ``rb.extend``, several frames of TorchRL deep, or below
+    ``torch.nn.Module.__call__`` when the filter is called directly).
 
     Examples:
         >>> import warnings
@@ -83,7 +84,53 @@ def user_stacklevel() -> int:
 
 
 def _library_dirs() -> tuple:
-    """Where cleanbuf, TorchRL and tensordict live (those imported by now)."""
-    names = ("cleanbuf", "torchrl", "tensordict")
+    """Where cleanbuf, TorchRL, tensordict and torch live (those imported by now)."""
+    names = ("cleanbuf", "torchrl", "tensordict", "torch")
     mods = [sys.modules.get(n) for n in names]
     return tuple(os.path.dirname(m.__file__) + os.sep for m in mods if m and m.__file__)
+
+
+# What a NaN next observation does downstream, per writer.
+EFFECTS = {
+    "filter": (
+        "are stored as NaN next observations, which turn a TD target NaN even under a done mask"
+    ),
+    "repair": (
+        "are NaN next observations, which TorchRL's value estimators read as the row's "
+        "own observation (an approximate bootstrap, never one from zeros)"
+    ),
+    "clean()": (
+        "are NaN next observations in the rows it returned, which turn a TD target NaN "
+        "even under a done mask"
+    ),
+}
+
+
+def lost_message(n_lost: int, who: str, where: str = "") -> str:
+    """The warning's text: the count, the cause, what NaN does, the two ways out.
+
+    Args:
+        n_lost: how many terminal observations were lost.
+        who: "filter", "repair" or "clean()" (the writer, which decides what
+            NaN does).
+        where: after "the filter", where the calls ran (copies elsewhere).
+
+    Examples:
+        >>> text = lost_message(3, "repair")
+        >>> text.startswith("3 terminal observation(s) were lost before the repair saw")
+        True
+        >>> "lossless_gym_env" in text and "on_lost_terminal_obs='drop'" in text
+        True
+    """
+    drop = "keep those rows out of the loss (masked)" if who == "repair" else "store no such row"
+    subject = who if who == "clean()" else f"the {who}"
+    return (
+        f"{n_lost} terminal observation(s) were lost before {subject}{where} saw them "
+        "(TorchRL resets all envs of a GymEnv(num_envs=N) together when they end on "
+        f"the same step, as fixed-horizon tasks always do) and {EFFECTS[who]}; "
+        "stats['terminal_obs_missing'] counts them. Use a "
+        "lossless producer, cleanbuf.lossless_gym_env(name, num_envs) (TorchRL's "
+        "GymWrapper over gymnasium.make_vec(..., vector_kwargs={'autoreset_mode': "
+        "AutoresetMode.DISABLED or SAME_STEP})), or on_lost_terminal_obs='drop' to "
+        f"{drop}." + ("" if who == "clean()" else f" This warning is shown once per {who}.")
+    )

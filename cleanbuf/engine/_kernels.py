@@ -167,7 +167,7 @@ def plan(n, steps, stream, done, stored, joint, group, final_ok, final_default, 
             not ``stored`` waits for its reset row (whose observation is its
             terminal one). False: every done row is emitted at once, as
             stored (``terminal_obs_in_done_row=True``, and ``[T, E]``
-            rollouts repaired in place, which hold no column).
+            rollouts repaired with their time axis, which hold no column).
 
     Returns:
         ``(code, next_src, released_src, carry, n_drop, n_lost, n_next_lost,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import warnings
 from typing import Any
 
@@ -166,6 +167,20 @@ class Options:
     check_continuity: bool = True
     producer_key: tuple | None = None
 
+    def __post_init__(self) -> None:
+        # Built directly (not through build()), the named choices are still checked.
+        for name, allowed in (
+            ("mode", MODES),
+            ("layout", (None, *LAYOUTS)),
+            ("on_lost_terminal_obs", (None, *LOST_POLICIES)),
+        ):
+            if getattr(self, name) not in allowed:
+                raise CleanbufError(
+                    f"Options({name}={getattr(self, name)!r}): expected one of {allowed}. "
+                    "Options.build(...) also takes a gymnasium AutoresetMode and key "
+                    "names as strings."
+                )
+
     def as_dict(self) -> dict:
         """The options as plain Python values (for a state dict).
 
@@ -275,6 +290,48 @@ def options_in(arguments: dict) -> dict:
         {'mode': 'same_step', 'layout': 'step'}
     """
     return {name: arguments[name] for name in OPTION_NAMES if name in arguments}
+
+
+_DEPRECATED = ("set_truncated",)  # taken, warned about and ignored by Options.build
+
+
+def refuse_unknown(unknown: dict, accepted, caller: str) -> dict:
+    """The deprecated options among a call's ``**unknown``; any other name raises.
+
+    Args:
+        unknown: the keyword arguments the signature did not name.
+        accepted: the parameter names of the call, for the message.
+        caller: the call the user made.
+
+    Raises:
+        CleanbufError: a name that is no option of ``caller`` (a misspelt one),
+            with the options it takes.
+
+    Examples:
+        >>> refuse_unknown({"set_truncated": True}, ["mode"], "f()")
+        {'set_truncated': True}
+        >>> refuse_unknown({"joint_rest": True}, ["mode", "joint_reset"], "f()")
+        Traceback (most recent call last):
+        ...
+        cleanbuf.engine._errors.CleanbufError: unknown option(s) ['joint_rest'] for f(); the options are ['joint_reset', 'mode'].
+    """  # noqa: E501
+    names = sorted(set(unknown) - set(_DEPRECATED))
+    if names:
+        raise CleanbufError(
+            f"unknown option(s) {names} for {caller}; the options are {sorted(accepted)}."
+        )
+    return unknown
+
+
+def keyword_names(fn) -> tuple:
+    """The names of a function's (or a class's) parameters, ``**kwargs`` left out.
+
+    Examples:
+        >>> keyword_names(lambda data, *, mode=None, **unknown: None)
+        ('data', 'mode')
+    """
+    params = inspect.signature(fn).parameters.values()
+    return tuple(p.name for p in params if p.kind is not p.VAR_KEYWORD)
 
 
 _KEY_OPTIONS = (

@@ -77,7 +77,7 @@ class _Rows:
 
 
 class Rollouts:
-    """The cleaner's second output form: batches ``[*E, T]`` repaired in place.
+    """The cleaner's second output form: batches ``[*E, T]`` repaired, time axis kept.
 
     The engine of :class:`cleanbuf.RolloutRepair` (documented there). Each
     call takes a time-last batch ``[*E, T]`` (a 1-D batch named ``["time"]``

@@ -322,15 +322,15 @@ def same_options(saved: dict | None, options: Options) -> None:
     if saved is None:
         return
     diff = [
-        f"{k}={saved.get(k)!r} (this filter: {v!r})"
+        f"{k}={saved.get(k)!r} (here: {v!r})"
         for k, v in options.as_dict().items()
         if saved.get(k) != v
     ]
     if diff:
         raise InputError(
-            f"this state was saved by a filter with other options: {', '.join(diff)}. "
-            "Build the filter with the options it was saved with (or the same "
-            "for_env producer) before loading it."
+            f"this state was saved with other options: {', '.join(diff)}. Build the "
+            "filter or repair with the options it was saved with (or from the same "
+            "for_env producer) before loading it. Nothing was changed."
         )
 
 

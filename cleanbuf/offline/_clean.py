@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import tempfile
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,8 +14,8 @@ from tensordict import NestedKey, TensorDictBase
 
 from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._dicts import slash_named, to_dict, to_tensordict
-from cleanbuf.engine._errors import InputError
-from cleanbuf.engine._options import Options
+from cleanbuf.engine._errors import CleanbufWarning, InputError, lost_message, user_stacklevel
+from cleanbuf.engine._options import Options, keyword_names, refuse_unknown
 from cleanbuf.offline._axes import time_axis
 from cleanbuf.offline._formats import Shape
 from cleanbuf.offline._names import obs_pair, roles
@@ -138,6 +139,7 @@ def clean(
         >>> out["next"]["observation"].tolist()
         [1.0, 2.0, 11.0]
     """
+    unknown = refuse_unknown(unknown, keyword_names(clean)[1:], "clean()")
     options = {**_chosen(locals()), **unknown}
     stored = _stored(data, dst, options)
     if stored is not None:
@@ -154,11 +156,26 @@ def clean(
         td, as_numpy = data, False
     cleaner = Cleaner(Options.build(**options))
     out = cleaner(td)
+    _warn_lost(cleaner)
     rest = cleaner.flush()
     if rest.batch_size[0]:
         out = torch.cat([out, rest])
     out = to_dict(out, as_numpy, slash_named(data)) if as_dict else out
     return (out, cleaner.stats) if return_stats else out
+
+
+def _warn_lost(cleaner: Cleaner) -> None:
+    """Warns when the clean stored lost terminal observations as NaN by default.
+
+    As the filter does: next-step data, no ``on_lost_terminal_obs`` chosen;
+    done rows at the end of the data, whose reset rows were never stored
+    (every collection ends with some), are counted, not warned about.
+    """
+    opts, n_lost = cleaner.options, cleaner.count("terminal_obs_missing")
+    if n_lost and opts.mode == "next_step" and opts.on_lost_terminal_obs is None:
+        warnings.warn(
+            CleanbufWarning(lost_message(n_lost, "clean()")), stacklevel=user_stacklevel()
+        )
 
 
 def _as_stored_arrays(data: Any, options: dict) -> bool:

@@ -12,11 +12,13 @@ copies and flush into a buffer; the repair's time axis and mask).
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, TypeVar
 
 from cleanbuf.engine._options import Options
 from cleanbuf.online._losses import LostObservations
 from cleanbuf.online._producers import Reading, options_for_env
+
+_Self = TypeVar("_Self", bound="OnlineCleaner")
 
 
 class OnlineCleaner:
@@ -34,7 +36,7 @@ class OnlineCleaner:
     _held_note = "not returned until flush()"  # after rows_held=N in the repr
 
     @classmethod
-    def for_env(cls, env: Any, **overrides: Any) -> Any:
+    def for_env(cls: type[_Self], env: Any, **overrides: Any) -> _Self:
         """Builds one configured for the producer ``env``.
 
         Reads the auto-reset behaviour from TorchRL ``GymEnv`` /
@@ -52,14 +54,14 @@ class OnlineCleaner:
         batches in turn (``MultiAsyncCollector`` of several workers,
         ``RayCollector``): repair each worker's batches (``postproc=``).
 
-        Args:
-            env: the producer.
-            **overrides: options that replace what was read from ``env``.
-
         A ``GymEnv(name, num_envs=N)`` loses the terminal observations of
         envs that end on the same step (TorchRL resets them together): the
         repr says so when its sub-envs have a time limit, and the first
         call that loses one warns (by default).
+
+        Args:
+            env: the producer.
+            **overrides: options that replace what was read from ``env``.
 
         Returns:
             The filter or repair. Its repr says how it was configured.

@@ -15,50 +15,10 @@ from __future__ import annotations
 
 import warnings
 
-from cleanbuf.engine._errors import CleanbufWarning, user_stacklevel
+from cleanbuf.engine._errors import CleanbufWarning, lost_message, user_stacklevel
 from cleanbuf.engine._options import Options
 
 LOST_KEY = "lost_in_calls"  # in a published state: what the copy's calls stored as NaN
-
-
-# What a NaN next observation does downstream, per writer.
-EFFECTS = {
-    "filter": (
-        "are stored as NaN next observations, which turn a TD target NaN even under a done mask"
-    ),
-    "repair": (
-        "are NaN next observations, which TorchRL's value estimators read as the row's "
-        "own observation (an approximate bootstrap, never one from zeros)"
-    ),
-}
-
-
-def message(n_lost: int, who: str, where: str = "") -> str:
-    """The warning's text: the count, the cause, what NaN does, the two ways out.
-
-    Args:
-        n_lost: how many terminal observations were lost.
-        who: "filter" or "repair" (the writer, which decides what NaN does).
-        where: after "the filter", where the calls ran (copies elsewhere).
-
-    Examples:
-        >>> text = message(3, "repair")
-        >>> text.startswith("3 terminal observation(s) were lost before the repair saw")
-        True
-        >>> "lossless_gym_env" in text and "on_lost_terminal_obs='drop'" in text
-        True
-    """
-    drop = "store no such row" if who == "filter" else "keep those rows out of the loss (masked)"
-    return (
-        f"{n_lost} terminal observation(s) were lost before the {who}{where} saw them "
-        "(TorchRL resets all envs of a GymEnv(num_envs=N) together when they end on "
-        f"the same step, as fixed-horizon tasks always do) and {EFFECTS[who]}; "
-        "stats['terminal_obs_missing'] keeps the running count. Use a "
-        "lossless producer, cleanbuf.lossless_gym_env(name, num_envs) (TorchRL's "
-        "GymWrapper over gymnasium.make_vec(..., vector_kwargs={'autoreset_mode': "
-        "AutoresetMode.DISABLED or SAME_STEP})), or on_lost_terminal_obs='drop' to "
-        f"{drop}. This warning is shown once per {who}."
-    )
 
 
 class LostObservations:
@@ -103,7 +63,9 @@ class LostObservations:
         self.in_calls += n_lost
         if not self.warned:
             self.warned = True
-            warnings.warn(CleanbufWarning(message(n_lost, self.who)), stacklevel=user_stacklevel())
+            warnings.warn(
+                CleanbufWarning(lost_message(n_lost, self.who)), stacklevel=user_stacklevel()
+            )
 
     def after_copies(self, states: dict) -> None:
         """Warns once with what every copy's calls lost (at the user's line).
@@ -118,5 +80,5 @@ class LostObservations:
             self.warned = True
             where = "'s copies in worker processes or Ray actors"
             warnings.warn(
-                CleanbufWarning(message(n_lost, self.who, where)), stacklevel=user_stacklevel()
+                CleanbufWarning(lost_message(n_lost, self.who, where)), stacklevel=user_stacklevel()
             )

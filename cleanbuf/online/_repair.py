@@ -1,4 +1,4 @@
-"""``RolloutRepair``: auto-reset rollouts repaired in place, for on-policy learners."""
+"""``RolloutRepair``: auto-reset rollouts repaired with their time axis, for on-policy learners."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from cleanbuf.engine._errors import (
     ResetRowError,
     StateError,
 )
-from cleanbuf.engine._options import Options, options_in
+from cleanbuf.engine._options import Options, keyword_names, options_in, refuse_unknown
 from cleanbuf.engine._read import looks_time_first
 from cleanbuf.engine._rollout import MASK_KEY, Rollouts
 from cleanbuf.online._base import OnlineCleaner
@@ -29,11 +29,12 @@ _NOT_HERE = ("stream_key", "joint_key", "producer_key", "compact")
 
 
 class RolloutRepair(OnlineCleaner):
-    """Repairs auto-reset rollouts in place, keeping their time axis, for on-policy losses.
+    """Repairs auto-reset rollouts, keeping their time axis, for on-policy losses.
 
     Value estimators (GAE, TD(0), TD(lambda), V-trace) walk a batch's time
     axis, so the rows :class:`cleanbuf.AutoresetFilter` drops must stay: the
-    repair writes the filter's plan into the batch instead. On the rows its
+    repair writes the filter's plan into a copy of the batch instead (the
+    batch passed in is not changed: use what the call returns). On the rows its
     mask marks valid (``("collector", "mask")``), every TorchRL value
     estimator gives what it gives on the explicit-reset run of the same env,
     and those rows are that run's rows: each done row gets its terminal
@@ -136,7 +137,7 @@ class RolloutRepair(OnlineCleaner):
         if bad:
             raise CleanbufError(
                 f"option(s) {bad} do not go with RolloutRepair, which repairs the [*E, T] "
-                "batches of one producer in place; use AutoresetFilter for flat rows and "
+                "batches of one producer; use AutoresetFilter for flat rows and "
                 "several producers."
             )
         options = options_in(locals())
@@ -144,6 +145,7 @@ class RolloutRepair(OnlineCleaner):
         if layout == "time_first" and terminal_obs_in_done_row is None:
             options["terminal_obs_in_done_row"] = True
         unknown = {k: v for k, v in unknown.items() if k not in _NOT_HERE}
+        unknown = refuse_unknown(unknown, keyword_names(RolloutRepair), "RolloutRepair")
         self._layout = layout
         mask_key = unravel_key(mask_key)
         mask_key = mask_key if isinstance(mask_key, tuple) else (mask_key,)
@@ -262,6 +264,8 @@ class RolloutRepair(OnlineCleaner):
         parts = super()._repr_parts()
         if self._layout is not None:
             parts.insert(1, f"layout={self._layout!r}")
+        if self._engine.mask_key != MASK_KEY:
+            parts.insert(1, f"mask_key={self._engine.mask_key!r}")
         return parts
 
     # ------------------------------------------------------------ helpers

@@ -12,7 +12,7 @@ from torchrl.envs.transforms import Transform
 
 from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._errors import CleanbufError, CleanbufWarning, InputError, StateError
-from cleanbuf.engine._options import Options, options_in
+from cleanbuf.engine._options import Options, keyword_names, options_in, refuse_unknown
 from cleanbuf.online import _publish, _writes
 from cleanbuf.online._base import OnlineCleaner
 from cleanbuf.online._compat import calling_replay_buffer
@@ -43,6 +43,7 @@ class AutoresetFilter(OnlineCleaner, Transform):
         mode: "next_step", "same_step", "disabled" (check and pass
             through), or a ``gymnasium.vector.AutoresetMode``.
         layout: None (infer: ``[*E, T]`` collector batches), "time_last",
+            "time_first" (``[T, *E]`` rollouts, as raw loops stack steps),
             "step" (one step of E envs per call) or "stream_key".
         stream_key: the key of each flat row's env id.
         joint_reset: the producer resets all envs of a group together
@@ -124,7 +125,8 @@ class AutoresetFilter(OnlineCleaner, Transform):
         producer_key: NestedKey | None = None,
         **unknown: Any,
     ):
-        options = Options.build(**options_in(locals()), **unknown)
+        deprecated = refuse_unknown(unknown, keyword_names(AutoresetFilter), "AutoresetFilter")
+        options = Options.build(**options_in(locals()), **deprecated)
         super().__init__(in_keys=[], out_keys=[])
         self._engine = Cleaner(options)
         self._bypass = False
@@ -380,6 +382,12 @@ class AutoresetFilter(OnlineCleaner, Transform):
             raise StateError(
                 f"state: expected the dict AutoresetFilter.state_dict() returned, got "
                 f"{type(state).__name__}. Pass what state_dict() returned, unchanged."
+            )
+        if "cleaner" in state and "held_kind" in state:
+            raise StateError(
+                "state: this is a RolloutRepair's state (it holds a repaired column); an "
+                "AutoresetFilter loads only what AutoresetFilter.state_dict() returned. "
+                "Nothing was changed."
             )
         others = state.get("copies", [])
         _publish.check_states(others, self.options)
