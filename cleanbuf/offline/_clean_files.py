@@ -85,13 +85,17 @@ class Cleaned:
 
 
 def _progress(total: int, enabled: bool):
+    """A progress bar on stderr, or None (not asked, no tqdm, or stderr no terminal).
+
+    Redirected to a file or a pipe, a bar's redraws would pile up as lines.
+    """
     if not enabled:
         return None
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, unit="rows", file=sys.stderr, desc="cleanbuf clean")
+    return tqdm(total=total, unit="rows", file=sys.stderr, desc="cleanbuf clean", disable=None)
 
 
 def clean_dataset(
