@@ -124,7 +124,9 @@ def read_ends(
     open_before = _NO_FLAGS if restart is None else before.open
     restart = _NO_FLAGS if restart is None else restart
     broken = -1
-    ids = [(k, *_row_bytes(rows, k, k, steps)) for k in fingerprint_keys]
+    ids = []
+    for k in fingerprint_keys:  # (a loop: a comprehension is one more Python call)
+        ids.append((k, *_row_bytes(rows, k, k, steps)))
     for k in obs_keys:
         obs, nxt, k_steps = _row_bytes(rows, k, ("next", *k), steps)
         k_restart = restart if k_steps == steps or not len(restart) else restart[::steps].copy()
