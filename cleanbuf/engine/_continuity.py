@@ -17,8 +17,9 @@ The same comparison decides a collector's batch-end mark (a first row that
 continues its stream after a done row means the done flag was only a mark),
 and the first rows are the fingerprint that recognises a batch written again
 (:class:`cleanbuf.engine._read.Fingerprint`). :func:`read_ends` reads all
-three with one :func:`~cleanbuf.engine._kernels.stream_ends` call per
-observation key, over the rows' bytes.
+three, and the continuity check, with one
+:func:`~cleanbuf.engine._kernels.stream_ends` call per observation key,
+over the rows' bytes (the trajectory ids ride along with the first key).
 
 It needs time-aligned streams (``time_last`` and ``step`` layouts) and full
 transitions (observation-only rows have no next observation to compare;
@@ -37,6 +38,7 @@ from cleanbuf.engine._kernels import stream_ends
 from cleanbuf.engine._write import Views, index_tensor
 
 _NO_BYTES = np.zeros((0, 0), np.uint8)
+_NO_FLAGS = np.zeros(0, np.bool_)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +67,16 @@ class CallEnds:
         first: key -> the first rows' bytes (the observations, and the
             trajectory ids when the rows have some): the retry fingerprint.
         repeats: every first row equals the fingerprint it was compared with.
+        broken: the first stream whose first row does not continue its
+            open last row and does not restart it (-1 if none, or where
+            nothing was checked).
     """
 
     last: LastRows
     cont: np.ndarray
     first: dict
     repeats: bool
+    broken: int = -1
 
 
 def read_ends(
@@ -81,8 +87,13 @@ def read_ends(
     before: LastRows,
     fingerprint: dict | None,
     fingerprint_keys: tuple = (),
+    restart: np.ndarray | None = None,
 ) -> CallEnds:
     """Reads the first and the last row of each stream of a time-aligned call.
+
+    The continuity check is read in the same pass: where ``restart`` is
+    given, :attr:`CallEnds.broken` names the first stream that does not
+    continue (raise with :func:`check`).
 
     Args:
         rows: the call's leaves, read as rows (stream after stream, ``steps``
@@ -94,6 +105,8 @@ def read_ends(
         fingerprint: the first rows of the call to compare with (the last
             call's), or None.
         fingerprint_keys: further keys of the fingerprint (trajectory ids).
+        restart: bool ``[N]`` or empty, the rows that restart their stream
+            (``is_init``), to check continuity; None not to check it.
 
     Examples:
         >>> rows = Views({("obs",): torch.arange(6.0), ("next", "obs"): torch.arange(1.0, 7.0)})
@@ -101,52 +114,66 @@ def read_ends(
         >>> ends.last.next_obs[("obs",)].view(np.float32).ravel().tolist()
         [3.0, 6.0]
         >>> later = Views({("obs",): torch.tensor([3.0, 7.0]), ("next", "obs"): torch.zeros(2)})
-        >>> read_ends(later, [("obs",)], 1, np.zeros(2, bool), ends.last, None).cont.tolist()
-        [1, 0]
+        >>> again = read_ends(later, [("obs",)], 1, np.zeros(2, bool), ends.last, None,
+        ...                   restart=np.zeros(0, bool))
+        >>> again.cont.tolist(), again.broken
+        ([1, 0], 1)
     """
     fingerprint = fingerprint or {}
     cont, first, last, repeats = None, {}, {}, bool(fingerprint)
+    open_before = _NO_FLAGS if restart is None else before.open
+    restart = _NO_FLAGS if restart is None else restart
+    broken = -1
+    ids = []
+    for k in fingerprint_keys:  # (a loop: a comprehension is one more Python call)
+        ids.append((k, *_row_bytes(rows, k, k, steps)))
     for k in obs_keys:
-        before_k = before.next_obs.get(k, _NO_BYTES)
         obs, nxt, k_steps = _row_bytes(rows, k, ("next", *k), steps)
-        f, last[k], c, same = stream_ends(
-            obs, nxt, k_steps, before_k, fingerprint.get(k, _NO_BYTES)
+        k_restart = restart if k_steps == steps or not len(restart) else restart[::steps].copy()
+        # The fingerprint's further keys are read in the same pass where they line up.
+        id_key, id_bytes, _, id_steps = ids.pop() if ids and ids[-1][3] == k_steps else (None,) * 4
+        f, last[k], c, same, b, f_ids = stream_ends(
+            obs,
+            nxt,
+            k_steps,
+            before.next_obs.get(k, _NO_BYTES),
+            fingerprint.get(k, _NO_BYTES),
+            open_before,
+            k_restart,
+            _NO_BYTES if id_key is None else id_bytes,
+            fingerprint.get(id_key, _NO_BYTES),
         )
         first[k] = f
+        if id_key is not None:
+            first[id_key] = f_ids
         cont = c if cont is None else cont & c
         repeats = repeats and same
-    for k in fingerprint_keys:
-        ids, _, k_steps = _row_bytes(rows, k, k, steps)
-        first[k], _, _, same = stream_ends(
-            ids, ids, k_steps, _NO_BYTES, fingerprint.get(k, _NO_BYTES)
-        )
+        if b >= 0 and (broken < 0 or b < broken):  # broken for any key: broken
+            broken = b
+    for k, id_bytes, _, k_steps in ids:
+        first[k], _, _, same, _, _ = stream_ends(
+            id_bytes, id_bytes, k_steps, _NO_BYTES, fingerprint.get(k, _NO_BYTES),
+            _NO_FLAGS, _NO_FLAGS, _NO_BYTES, _NO_BYTES,
+        )  # fmt: skip
         repeats = repeats and same
     repeats = repeats and fingerprint.keys() == first.keys()
-    return CallEnds(LastRows(last, ~done[steps - 1 :: steps]), cont, first, repeats)
+    return CallEnds(LastRows(last, ~done[steps - 1 :: steps]), cont, first, repeats, broken)
 
 
-def check(before: LastRows, ends: CallEnds, first_restart: np.ndarray, obs_keys: list) -> None:
+def check(ends: CallEnds, obs_keys: list) -> None:
     """Raises unless each stream's first row in a call continues its last row.
 
     Args:
-        before: the previous call's last rows.
-        ends: this call's.
-        first_restart: bool ``[S]`` or empty: the stream's first row
-            restarts it (``is_init``).
+        ends: the call's stream ends, read with the continuity check
+            (:func:`read_ends` given ``restart``).
         obs_keys: the observation keys (for the message).
 
     Raises:
         ContinuityError: a stream's first row does not continue.
     """
-    n = min(len(before.open), len(ends.cont))
-    if not n or not np.count_nonzero(before.open):
+    if ends.broken < 0:
         return
-    broken = before.open[:n] & (ends.cont[:n] == 0)
-    if len(first_restart):
-        broken &= ~first_restart[:n]
-    if not np.count_nonzero(broken):
-        return
-    bad = int(np.flatnonzero(broken)[0])
+    bad = ends.broken
     keys = ", ".join(key_name(k) for k in obs_keys)
     raise ContinuityError(
         f"stream {bad} does not continue: the observation ({keys}) of its first row in this "

@@ -393,7 +393,9 @@ def _joint_rows(n, steps, group, done, mark, marks_count):
 
 
 @njit(cache=True, nogil=True)
-def stream_ends(obs, next_obs, steps, last_next, first_before):
+def stream_ends(  # noqa: PLR0913 - one pass over every end of a call
+    obs, next_obs, steps, last_next, first_before, open_before, restart, ids, ids_before
+):
     """Reads the first and last row of each stream of a time-aligned call.
 
     One pass over ``2 * S`` rows of bytes, for the continuity check, the
@@ -407,13 +409,24 @@ def stream_ends(obs, next_obs, steps, last_next, first_before):
         last_next: uint8[S0, B], the previous call's last next observation
             of its first ``S0`` streams (S0 may be 0).
         first_before: uint8[S1, B], the previous call's first observations.
+        open_before: bool[S2], per stream, the previous call's last row was
+            not done (its next row must continue it); empty to check nothing.
+        restart: bool[N] or empty, per row of ``obs``, the row restarts its
+            stream (``is_init``).
+        ids: uint8[N, C] or empty ``[0, 0]``, further bytes of the
+            fingerprint (the rows' trajectory ids), read like ``obs``.
+        ids_before: uint8[S3, C], the previous call's first ``ids``.
 
     Returns:
-        ``(first, last, cont, same_first)``: copies of each stream's first
-        observation and last next observation (uint8[S, B]); per stream,
-        1 where its first row's observation equals ``last_next`` (0 where it
-        differs or the stream is new); and whether every first row equals
-        ``first_before`` (a call bringing the last call's batch again).
+        ``(first, last, cont, same_first, broken, first_ids)``: copies of
+        each stream's first observation and last next observation
+        (uint8[S, B]); per stream, 1 where its first row's observation
+        equals ``last_next`` (0 where it differs or the stream is new);
+        whether every first row equals ``first_before`` and, with ``ids``,
+        ``ids_before`` (a call bringing the last call's batch again); the
+        first stream that was open, does not continue and does not restart
+        (-1 if none); and a copy of each stream's first ``ids`` (uint8[S, C],
+        ``[0, 0]`` without ids).
     """
     n_streams = obs.shape[0] // steps
     width = obs.shape[1]
@@ -422,6 +435,13 @@ def stream_ends(obs, next_obs, steps, last_next, first_before):
     cont = np.zeros(n_streams, np.uint8)
     same_first = first_before.shape[0] == n_streams and first_before.shape[1] == width
     known = last_next.shape[0] if last_next.shape[1] == width else 0
+    n_open = min(open_before.shape[0], n_streams)
+    restarts = restart.shape[0] > 0
+    broken = -1
+    id_width = ids.shape[1] if ids.shape[0] > 0 else 0
+    first_ids = np.empty((n_streams if ids.shape[0] > 0 else 0, id_width), np.uint8)
+    if ids.shape[0] > 0 and (ids_before.shape[0] != n_streams or ids_before.shape[1] != id_width):
+        same_first = False
     for s in range(n_streams):
         a, b = s * steps, s * steps + steps - 1
         equal = s < known
@@ -434,7 +454,15 @@ def stream_ends(obs, next_obs, steps, last_next, first_before):
             if same_first and x != first_before[s, j]:
                 same_first = False
         cont[s] = equal
-    return first, last, cont, same_first
+        for j in range(first_ids.shape[1]):
+            x = ids[a, j]
+            first_ids[s, j] = x
+            if same_first and x != ids_before[s, j]:
+                same_first = False
+        if broken < 0 and not equal and s < n_open and open_before[s]:
+            if not (restarts and restart[a]):
+                broken = s
+    return first, last, cont, same_first, broken, first_ids
 
 
 @njit(cache=True, nogil=True)

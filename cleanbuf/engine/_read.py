@@ -701,13 +701,12 @@ class Reader:
             carry.last,
             None if before is None else before.rows,
             (TRAJ_IDS,) if exact else (),
+            call.restart if self.options.check_continuity else None,
         )
         self.fingerprint = Fingerprint(exact, ends.first, ends.repeats)
         if exact and ends.repeats:
             raise SameBatchAgain
-        if self.options.check_continuity:
-            first_restart = call.restart[:: layout.steps] if len(call.restart) else NONE
-            check(carry.last, ends, first_restart, call.obs_keys)
+        check(ends, call.obs_keys)
         call.ends = ends
 
     def _nothing_pending(self, carry: Carry, leaves: dict) -> bool:
