@@ -68,7 +68,12 @@ def leaves(data: Mapping, caller: str) -> dict:
 
 
 def to_tensordict(
-    data: Mapping, caller: str, batch_dims: int | None = None, *, time_first: bool = False
+    data: Mapping,
+    caller: str,
+    batch_dims: int | None = None,
+    *,
+    time_first: bool = False,
+    takes_batch_dims: bool = False,
 ) -> tuple[TensorDictBase, bool]:
     """A dict of arrays as a TensorDict (sharing memory), and whether it held numpy arrays.
 
@@ -84,6 +89,7 @@ def to_tensordict(
         batch_dims: the number of batch dimensions; None reads them from
             the done array.
         time_first: the arrays are a rollout ``[T, E, ...]``.
+        takes_batch_dims: the caller takes ``batch_dims=`` (the errors say so).
 
     Raises:
         InputError: no done array (and no ``batch_dims``), arrays that
@@ -107,7 +113,7 @@ def to_tensordict(
     done = next((tensors[k] for k in DONE_KEYS if k in tensors), None)
     if batch_dims is None:
         if done is None:
-            takes = " or pass batch_dims=" if caller == "clean()" else ""
+            takes = " or pass batch_dims=" if takes_batch_dims else ""
             raise InputError(
                 f"no done key in the dict passed to {caller}: the batch dimensions of a dict "
                 f"without a done key are unknown. Expected one of "
@@ -128,8 +134,7 @@ def to_tensordict(
         raise InputError(
             f"arrays disagree on the batch shape: expected {list(first)} first for every "
             f"key (from the {'done key' if done is not None else 'first key'}), got the "
-            f"shapes {bad}. Fix the shapes"
-            + (" or pass batch_dims=." if caller == "clean()" else ".")
+            f"shapes {bad}. Fix the shapes" + (" or pass batch_dims=." if takes_batch_dims else ".")
         )
     td = TensorDict(batch_size=list(first))
     for k, v in tensors.items():

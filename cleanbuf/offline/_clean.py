@@ -151,7 +151,7 @@ def clean(
         return (out, stats) if return_stats else out
     as_dict = isinstance(data, Mapping) and not isinstance(data, TensorDictBase)
     if as_dict:
-        td, as_numpy = to_tensordict(data, "clean()", batch_dims)
+        td, as_numpy = to_tensordict(data, "clean()", batch_dims, takes_batch_dims=True)
     else:
         td, as_numpy = data, False
     cleaner = Cleaner(Options.build(**options))
