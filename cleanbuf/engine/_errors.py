@@ -1,8 +1,10 @@
-"""Exceptions raised by cleanbuf.
+"""What cleanbuf raises and warns: the errors, the warning, and where a warning points.
 
 Every error names the key, what was expected, what came, and the fix. All are
 ``ValueError`` subclasses so that ``except ValueError`` keeps working, and a
-call that raises one changes no state and writes nothing.
+call that raises one changes no state and writes nothing. A warning names the
+user's line (:func:`user_stacklevel`); the lost-terminal-observation warning's
+text (:func:`lost_message`) is one for the filter, the repair and ``clean()``.
 """
 
 from __future__ import annotations
