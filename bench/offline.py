@@ -92,6 +92,17 @@ def copy(src: str, dst: str, rows_per_chunk: int) -> None:
             out.get(key)[lo:hi] = leaf[lo:hi]
 
 
+def checked(done, dst: str) -> None:
+    """Stops the bench when the cleaned output does not hold the ``rows_out`` it reports.
+
+    A bench that times a wrong result measures nothing: the output is
+    loaded back as a user loads it and its rows counted.
+    """
+    rows = TensorDict.load_memmap(dst).batch_size[0]
+    if rows != done.stats["rows_out"]:
+        raise SystemExit(f"{dst}: {rows} rows read back, rows_out {done.stats['rows_out']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=2.0, help="dataset size")
@@ -112,7 +123,7 @@ def main() -> None:
         # A first clean, untimed: numba's compiler and caches and torchrl's
         # storage code take their memory once per process.
         warm = os.path.join(root, "warm")
-        clean_dataset(src, warm)
+        checked(clean_dataset(src, warm), warm)
         shutil.rmtree(warm)
         peaks = []
         durable, cpu, user = ({"copy": [], "clean": []} for _ in range(3))
@@ -127,12 +138,14 @@ def main() -> None:
                 if name == "copy":
                     copy(src, dst, ENVS * STEPS)
                 else:
-                    clean_dataset(src, dst)
+                    done = clean_dataset(src, dst)
                 times[name].append(time.perf_counter() - t)
                 cpu[name].append(time.thread_time() - t_cpu)
                 user[name].append(_user_s() - t_user)
                 os.sync()  # its pages on disk: the time to a durable copy
                 durable[name].append(time.perf_counter() - t)
+                if name == "clean":
+                    checked(done, dst)  # untimed
             # The memory of a further clean, untimed: sampling /proc every
             # 2 ms slowed the clean it watched by 10% to 40% here.
             dst = os.path.join(root, "sampled")
@@ -141,8 +154,9 @@ def main() -> None:
             # the audit or an earlier clean left allocated is theirs.
             base = _anon_mb()
             with Peak() as peak:
-                clean_dataset(src, dst)
+                done = clean_dataset(src, dst)
             peaks.append(peak.peak - base)
+            checked(done, dst)
             t = time.perf_counter()
             audit(src)
             times["audit"].append(time.perf_counter() - t)

@@ -40,7 +40,8 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 import cleanbuf
-from cleanbuf.offline import audit, read
+from cleanbuf.engine import _write
+from cleanbuf.offline import _clean_files, audit, read
 from cleanbuf.offline._formats import Shape
 from cleanbuf.offline._sources import dataset
 from cleanbuf.offline.cli import main
@@ -48,6 +49,7 @@ from tests.loops import ENVS, run_loop
 from tests.oracle import collect, make_env
 
 E, T = 4, 64
+LAYOUTS = ["flat", "time_first", "time_last"]
 CORE = [
     "observation",
     "action",
@@ -259,15 +261,32 @@ CASES += [
 ]
 
 
-@pytest.mark.parametrize("fmt, layout, names, producer", CASES, ids=["-".join(c) for c in CASES])
-def test_matrix(runs, fmt, layout, names, producer, tmp_path):
+CASES = [(*c, "one piece") for c in CASES]
+# The multi-piece column: every write a piece of its own, every leaf gathered
+# straight into the output's files, as a dataset of several hundred MB is.
+CASES += [
+    (fmt, layout, "torchrl", producer, "many pieces")
+    for fmt, layout in [*itertools.product(["npz", "hdf5"], LAYOUTS), ("dump", "flat")]
+    for producer in ("gym-next-step", "torchrl-gymenv", "same-step")
+]
+CASES += [("dump", "time_last", "torchrl", p, "many pieces") for p in ("gym-next-step", "clean")]
+
+
+@pytest.mark.parametrize(
+    "fmt, layout, names, producer, pieces", CASES, ids=["-".join(c) for c in CASES]
+)
+def test_matrix(runs, fmt, layout, names, producer, pieces, tmp_path, monkeypatch):
     """Bugs caught: a [T, E] or [E, T] rectangle read with the env axis as
     time (a false all-clear, or a wrong mode), CleanRL / offline-RL / SB3
     names not read, a suggested fix that fails or does not clean, cleaned
     rows that differ from the explicit-reset run (a wrong stitch, a stored
     terminal observation turned NaN, a real row dropped), the source's
-    names lost in the copy, and a cleaned copy that does not re-audit clean.
+    names lost in the copy, a cleaned copy that does not re-audit clean,
+    and, in many pieces, an output that keeps the first piece's rows only.
     """
+    if pieces == "many pieces":
+        monkeypatch.setattr(_clean_files, "PIECE_BYTES", 1)
+        monkeypatch.setattr(_write, "MIN_POOLED_BYTES", 0)
     data, oracle = runs[producer]
     if fmt == "sb3":
         source = _sb3(data)
@@ -306,6 +325,7 @@ def test_matrix(runs, fmt, layout, names, producer, tmp_path):
             "dirty" if dirty else "clean",
             nan_rows,
             "clean",
+            pieces,
         )
     )
 
@@ -327,9 +347,12 @@ def _stored_names(path: str, fmt: str) -> set:
 def _print_matrix():
     if not RESULTS:
         return
-    print("\nfmt    layout      names       producer        mode       verdict NaN re-audit")
+    print("\nfmt    layout      names       producer        mode       verdict NaN re-audit pieces")
     for r in RESULTS:
-        print(f"{r[0]:6s} {r[1]:11s} {r[2]:11s} {r[3]:15s} {r[4]:10s} {r[5]:7s} {r[6]!s:3s} {r[7]}")
+        print(
+            f"{r[0]:6s} {r[1]:11s} {r[2]:11s} {r[3]:15s} {r[4]:10s} {r[5]:7s} {r[6]!s:3s} "
+            f"{r[7]:8s} {r[8]}"
+        )
 
 
 def _pendulum(mode, steps) -> dict:

@@ -27,7 +27,15 @@ from cleanbuf.engine._keys import DONE_KEYS, done_flags
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._write import BufferPool, Views
 from cleanbuf.offline._audit import Report, analyse, stream_positions
-from cleanbuf.offline._formats import DUMP, Collect, Dataset, Shape, Writer, read
+from cleanbuf.offline._formats import (
+    DUMP,
+    Collect,
+    Dataset,
+    Shape,
+    Writer,
+    output_format,
+    read,
+)
 from cleanbuf.offline._joint import joint_rows
 
 ENV_KEY = "_cleanbuf_env"  # each row's env, as the audit recovered it
@@ -107,13 +115,23 @@ def clean_dataset(
     say: Callable[[str], None] | None = None,
     **options: Any,
 ) -> Cleaned:
-    """Cleans the dataset at ``src`` into a new one at ``dst``, same format.
+    """Cleans the dataset at ``src`` into a new one at ``dst``, in the format ``dst`` names.
+
+    Before anything is moved to ``dst``, the output is read back as a
+    reader reads it: its rows must be the ``rows_out`` cleaned, with the
+    done flags and env index written; else nothing is moved and an
+    ``OutputCheckError`` says so.
 
     Args:
-        src: a TorchRL ``rb.dumps`` directory, a TensorDict memmap directory or
-            a ``.npz`` file, or a :class:`Dataset`.
+        src: a TorchRL ``rb.dumps`` directory, a TensorDict memmap directory,
+            a ``.npz`` or HDF5 file, or a :class:`Dataset`.
         dst: where to write the cleaned dataset (refused if it exists, unless
-            ``force``); None keeps the cleaned rows in memory.
+            ``force``); None keeps the cleaned rows in memory. A name
+            ending ``.npz`` is written as a ``.npz`` file, ``.h5`` /
+            ``.hdf5`` as an HDF5 file; any other name as a directory: a
+            memmap directory from one, else a TorchRL dump (``rb.loads``).
+            A name of another file format (``.pt``, ``.pkl``, ...) is
+            refused before anything is read.
         force: replace an existing ``dst``.
         progress: show a progress bar on stderr (needs ``tqdm``).
         say: where a note goes before anything is written (the command line
@@ -134,13 +152,16 @@ def clean_dataset(
     Raises:
         InputError: unreadable ``src``, ``dst`` exists, ``dst`` is ``src``,
             lies inside it or holds it; checked before anything is written.
-        CleanbufError: the data does not fit the options. Nothing is left at
-            ``dst``.
+        CleanbufError: the data does not fit the options, or the output
+            did not read back as written (``OutputCheckError``). Nothing is
+            left at ``dst``.
         OSError: writing failed; a full disk is a ``NoSpaceError`` (an
             ``OSError`` with ``errno.ENOSPC``) naming ``dst`` and the bytes
             needed. Nothing is left at ``dst``, nor a temporary directory.
     """
     shape = Shape(*(options.pop(k, None) for k in ("layout", "envs", "keys")))
+    if dst is not None:
+        output_format(dst, DUMP)  # a DST naming a format not written: refused first
     ds = src if isinstance(src, Dataset) else read(src, shape)
     if dst is not None:
         _check_apart(ds.path, dst)
@@ -150,7 +171,7 @@ def clean_dataset(
     if dst is not None:
         capacity = _capacity(ds, report, say)
         writer = Writer(
-            ds.format,
+            output_format(dst, ds.format),
             dst,
             capacity,
             force=force,
@@ -158,11 +179,12 @@ def clean_dataset(
             names=ds.names,
             casts=ds.casts,
             say=say,
+            keys=ds.shape.keys,
         )
     bar = _progress(report.rows, progress)
     try:
         stats = _clean(ds, report, streams, opts, writer, bar)
-        writer.commit(_mark(ds, opts, stats))
+        writer.commit(_mark(ds, opts, stats), rows=stats["rows_out"])
     except BaseException:
         writer.abort()
         raise

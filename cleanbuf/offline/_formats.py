@@ -31,10 +31,17 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from cleanbuf.engine._errors import CleanbufWarning, InputError
+from cleanbuf.engine._errors import CleanbufError, CleanbufWarning, InputError
 from cleanbuf.offline._axes import check_layout, env_after_env, flatten, time_axis
 from cleanbuf.offline._compat import lay_out, storage_tensors
-from cleanbuf.offline._marker import DONE_KEYS, ENV_ARRAY, done_digest, read_dir, write_dir
+from cleanbuf.offline._marker import (
+    DONE_KEYS,
+    ENV_ARRAY,
+    done_digest,
+    env_if_fresh,
+    read_dir,
+    write_dir,
+)
 from cleanbuf.offline._names import FLAG_ROLES, ROLE_KEYS, check_keys, need, obs_pair, roles
 from cleanbuf.offline._scratch import (
     check_free,
@@ -48,6 +55,48 @@ from cleanbuf.offline._scratch import (
 
 DUMP, MEMMAP, NPZ, HDF5 = "torchrl-dump", "memmap", "npz", "hdf5"
 HDF5_SUFFIXES = (".h5", ".hdf5")
+# Suffixes of files cleanbuf does not write: a DST named so is refused
+# rather than written as a directory that its name belies.
+OTHER_FILE_SUFFIXES = (
+    ".npy", ".pt", ".pth", ".pkl", ".pickle", ".zip", ".tar", ".gz", ".json", ".csv",
+    ".parquet", ".zarr", ".txt",
+)  # fmt: skip
+WRITTEN = (
+    "a .npz file (DST ending .npz), an HDF5 file (.h5, .hdf5), or a directory (any other "
+    "name): a TorchRL dump (rb.loads), or a TensorDict memmap directory when SRC is one"
+)
+
+
+class OutputCheckError(CleanbufError):
+    """The output of ``cleanbuf clean``, read back, is not what was written."""
+
+
+def output_format(dst: str, src_format: str) -> str:
+    """The format ``dst`` names: its suffix for a file, else a directory like SRC's.
+
+    A ``.npz`` or HDF5 source cleaned into a directory gives a TorchRL dump.
+
+    Raises:
+        InputError: ``dst`` names a file format cleanbuf does not write.
+
+    Examples:
+        >>> output_format("clean.h5", NPZ), output_format("runs/rb_clean", MEMMAP)
+        ('hdf5', 'memmap')
+        >>> output_format("runs/rb_clean", NPZ)
+        'torchrl-dump'
+        >>> output_format("clean.pkl", NPZ)
+        Traceback (most recent call last):
+        ...
+        cleanbuf.engine._errors.InputError: DST clean.pkl names a format cleanbuf does not ...
+    """
+    suffix = os.path.splitext(dst.rstrip(os.sep))[1].lower()
+    if suffix == ".npz":
+        return NPZ
+    if suffix in HDF5_SUFFIXES:
+        return HDF5
+    if suffix in OTHER_FILE_SUFFIXES:
+        raise InputError(f"DST {dst} names a format cleanbuf does not write; it writes {WRITTEN}.")
+    return src_format if src_format in (DUMP, MEMMAP) else DUMP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -615,10 +664,15 @@ class Collect:
             self.parts.append(source_names(rows, self.names, self.casts))
             self.env.append(np.full(m, -1, np.int64) if env is None else np.asarray(env))
 
-    def commit(self, mark: dict | None = None) -> None:
-        """Joins the rows (``mark`` is for a file writer only)."""
+    def commit(self, mark: dict | None = None, rows: int | None = None) -> None:
+        """Joins the rows; they must be ``rows`` (``mark`` is for a file writer only)."""
         self.rows = torch.cat(self.parts) if self.parts else TensorDict(batch_size=[0])
         self.env_rows = np.concatenate(self.env) if self.env else np.zeros(0, np.int64)
+        if rows is not None and rows != self.rows.batch_size[0]:
+            raise OutputCheckError(
+                f"{self.rows.batch_size[0]} rows were collected where {rows} were cleaned "
+                "(rows_out). This is a bug in cleanbuf: please report it."
+            )
 
     def abort(self) -> None:
         """Drops the rows."""
@@ -668,7 +722,8 @@ class Writer:
     With the rows goes each row's env index (:mod:`cleanbuf.offline._marker`).
     A dump is laid out for ``capacity`` rows and, when the rows written fit
     ``fit`` (the source buffer's size), cut to ``fit``: ``rb.loads`` reads
-    it into a buffer built as the source's was.
+    it into a buffer built as the source's was. ``keys``, the roles the
+    user named (``--key``), are those :meth:`commit` reads the output with.
     """
 
     def __init__(
@@ -681,6 +736,7 @@ class Writer:
         names: dict | None = None,
         casts: dict | None = None,
         say: Callable[[str], None] | None = None,
+        keys: dict | None = None,
     ):
         from torchrl.data import LazyMemmapStorage, ReplayBuffer
 
@@ -689,6 +745,7 @@ class Writer:
             raise InputError(f"{dst} exists; pass --force (force=True) to replace it.")
         self.fmt, self.dst, self.n, self.fit = fmt, dst, 0, fit
         self.names, self.casts = names or {}, casts or {}  # the source's names and dtypes
+        self.keys = keys  # the roles the user named (--key): the output is read back with them
         self.capacity: int | None = None  # a dump's, once committed: rb.loads needs it
         self.env: list[np.ndarray] = []  # each row's env index, per write
         self.done: list[np.ndarray] = []  # each row's done flag, per write
@@ -697,7 +754,8 @@ class Writer:
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         clear_leftovers(dst, say or _warn)
         self.tmp, self._lock = make(dst)
-        self.out = os.path.join(self.tmp, "out")
+        # A file has its format's suffix: the check in commit reads it back by it.
+        self.out = os.path.join(self.tmp, "out" + {NPZ: ".npz", HDF5: ".h5"}.get(fmt, ""))
         self.rows_dir = {DUMP: os.path.join(self.out, "storage"), MEMMAP: self.out}.get(
             fmt, os.path.join(self.tmp, "rows")
         )
@@ -714,13 +772,15 @@ class Writer:
         ``env`` holds their env index (-1 where unknown).
 
         Leaves the cleaner already gathered into their place (:meth:`slot`)
-        are not copied onto themselves; the last row goes through the
-        storage, which then counts the rows written.
+        are not copied onto themselves. The rows written are counted here
+        (``self.n``), not by the storage: its count grows by the length of
+        each ``set``, which a copy straight into its files bypasses; the
+        output's row count is set from ``self.n`` in :meth:`commit`.
         """
         m = rows.batch_size[0]
         if not m:
             return
-        self.done.append(_done_of(rows))
+        self.done.append(done_of_rows(rows))
         rows = source_names(rows, self.names, self.casts)  # laid out and stored as SRC names them
         if not self.rb.storage.initialized:
             self._lay_out(rows)
@@ -732,7 +792,6 @@ class Writer:
                 dest = self._leaves[key][lo:hi]
                 if value.data_ptr() != dest.data_ptr() or value.shape != dest.shape:
                     dest.copy_(value)
-            self.rb.storage.set(slice(hi - 1, hi), rows[m - 1 :])
         else:
             self.rb.storage.set(slice(lo, hi), rows)
         self.n = hi
@@ -769,19 +828,57 @@ class Writer:
         size = self.rb.storage.max_size
         return self.fit if self.fit is not None and self.n <= self.fit < size else size
 
-    def commit(self, mark: dict | None = None) -> None:
-        """Finishes the dataset (with ``mark``, cleanbuf's marker) and moves it to ``dst``."""
+    def commit(self, mark: dict | None = None, rows: int | None = None) -> None:
+        """Finishes the dataset and moves it to ``dst`` once it reads back whole.
+
+        Args:
+            mark: cleanbuf's marker (see :mod:`cleanbuf.offline._marker`).
+            rows: the rows the caller wrote (the cleaner's ``rows_out``);
+                None: those counted by :meth:`write`.
+
+        Raises:
+            OutputCheckError: the output, read back as a reader reads it,
+                does not hold ``rows`` rows with the done flags written;
+                nothing is moved to ``dst``.
+        """
         if not self.n:
             raise InputError(f"no row is left to write to {self.dst}; nothing was written.")
         with space_for(self.dst, self.need):
             self._finish(mark)
+        self._check(self.n if rows is None else rows)
         if os.path.lexists(self.dst):  # --force: the old one goes only now
             os.replace(self.dst, os.path.join(self.tmp, "old"))
         os.replace(self.out, self.dst)
         self.abort()
 
+    def _check(self, rows: int) -> None:
+        """Reads the output back as :func:`read` does and compares it with what was written.
+
+        Its rows (a dump's ``len``, a file's arrays) and their done flags
+        must be the ``rows`` rows written, in order.
+        """
+        done = np.concatenate(self.done)
+        try:
+            back = read(self.out, Shape(keys=self.keys))
+            n, every = back.n_rows, np.arange(back.n_rows)
+            keys = {_tuple(k) for k in back.data.keys(True, True)}
+            got = done_of(keys, lambda k: back.column(k, every), n) if n == len(done) else None
+        except CleanbufError as err:
+            raise OutputCheckError(
+                f"the cleaned output of {self.dst} cannot be read back ({err}); nothing was "
+                "written to it. This is a bug in cleanbuf: please report it."
+            ) from err
+        fresh = got is not None and env_if_fresh(back.env, back.mark, got) is not None
+        if n != rows or n != self.n or not fresh or not np.array_equal(got, done):
+            what = "different done flags or env index" if n == rows == self.n else f"{n} rows"
+            raise OutputCheckError(
+                f"the cleaned output of {self.dst}, read back, holds {what}, where {rows} rows "
+                f"were cleaned (rows_out) and {self.n} written; nothing was written to it. "
+                "This is a bug in cleanbuf: please report it."
+            )
+
     def _finish(self, mark: dict | None) -> None:
-        """Writes the dataset at ``self.out``, with its marker."""
+        """Writes the dataset at ``self.out``, with its marker; its row count is ``self.n``."""
         out = self.out
         env = np.concatenate(self.env)
         mark = {**(mark or {}), "rows": self.n, "done": done_digest(np.concatenate(self.done))}
@@ -792,6 +889,7 @@ class Writer:
             del self.rb  # unmap the files before they are cut
             if capacity < size:
                 _cut_rows(os.path.join(out, "storage"), size, capacity)
+            _set_len(os.path.join(out, "storage", "storage_metadata.json"), self.n)
             with open(os.path.join(out, "writer", "metadata.json"), "w") as f:
                 json.dump({"cursor": self.n % capacity, "write_count": self.n}, f)
             write_dir(out, env, mark)
@@ -801,8 +899,8 @@ class Writer:
             _cut_rows(out, capacity, self.n)
             write_dir(out, env, mark)
         else:
-            stored = self.rb.storage.get(slice(0, self.n))
-            arrays = {"/".join(_tuple(k)): v.numpy() for k, v in stored.items(True, True)}
+            stored = plain_leaves(storage_tensors(self.rb.storage))
+            arrays = {"/".join(k): v[: self.n].numpy() for k, v in stored.items()}
             arrays[ENV_ARRAY] = env
             size = sum(a.nbytes for a in arrays.values())  # the file, next to the maps
             what = f"its file, written from its rows ({size_text(self.need)}, on the same disk),"
@@ -815,6 +913,19 @@ class Writer:
         if self._lock is not None or os.path.exists(self.tmp):
             remove(self.tmp, self._lock)
             self._lock = None
+
+
+def _set_len(path: str, n: int) -> None:
+    """Sets a dump's ``len`` (``storage/storage_metadata.json``) to the ``n`` rows written.
+
+    TorchRL writes there the count its storage kept, which grows by the
+    length of each ``set``: the writer's copies straight into the files
+    bypass it, so the count is set from what was written.
+    """
+    meta = _json(path)
+    meta["len"] = n
+    with open(path, "w") as f:
+        json.dump(meta, f)
 
 
 def _save_file(fmt: str, out: str, arrays: dict) -> None:
@@ -863,7 +974,7 @@ def _cut_rows(path: str, capacity: int, n: int) -> None:
             json.dump(meta, f)
 
 
-def _done_of(rows: TensorDictBase) -> np.ndarray:
+def done_of_rows(rows: TensorDictBase) -> np.ndarray:
     """Each row's done flag, as the audit reads it (:func:`done_of`)."""
     keys = {_tuple(k) for k in rows.keys(True, True)}
     m = rows.batch_size[0]
