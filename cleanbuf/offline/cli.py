@@ -73,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("--json", action="store_true", help="print the report as JSON")
     audit.add_argument("--plot", metavar="FILE.png", help="draw the artifacts (needs matplotlib)")
     _shape_flags(audit)
-    clean = sub.add_parser("clean", help="write a cleaned copy of SRC to DST (same format)")
+    clean = sub.add_parser(
+        "clean", help="write a cleaned copy of SRC to DST (.npz, .h5/.hdf5 or a directory)"
+    )
     clean.add_argument("src")
     clean.add_argument("dst")
     clean.add_argument("--force", action="store_true", help="replace DST if it exists")
