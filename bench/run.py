@@ -796,6 +796,73 @@ def calls_per_extend() -> tuple[int, int, list]:
     return len(seen), len(set(seen)), modules
 
 
+def wide_step_case(table: Table, rounds: int) -> None:
+    """One step of 4096 envs per extend (``layout="step"``), as GPU simulators give it:
+    raw-loop rows, 17 float observations, 2% of the envs end an episode each step.
+    The filtered extend against a plain extend of the same step's rows.
+    """
+    n_envs = 4096
+    drop = ("is_init", "step_count", ("next", "step_count"), TRAJ_IDS)
+    steps = chained("mujoco", 0.02, n_envs, rounds + 3, 1, drop=drop)[0]
+    windows = [steps[:, t].clone() for t in range(rounds + 3)]
+    e2e_case(
+        table,
+        f"one step of {n_envs} envs (layout='step', raw-loop rows), 17 float obs, 2% "
+        "episode ends a step",
+        windows,
+        rounds,
+        n_envs * 8,
+        None,
+        1.2,
+        layout="step",
+    )
+
+
+def envpool_loop_case(table: Table, rounds: int, steps: int = 100) -> None:
+    """A raw EnvPool ``CartPole-v1`` loop of 16 envs storing every step with
+    ``cleanbuf.step_rows`` into a TorchRL buffer: the loop with the filter against
+    the same loop with a plain buffer (two pools, each its own seeded streams).
+    Each round times ``steps`` steps of each loop, alternately; the ratio is the
+    median of the rounds' ratios. Skipped (no row) where EnvPool is not installed.
+    """
+    try:
+        import envpool
+    except ImportError:
+        return
+    n_envs = 16
+
+    def loop(transform):
+        env = envpool.make("CartPole-v1", env_type="gymnasium", num_envs=n_envs, seed=0)
+        rb = ReplayBuffer(storage=LazyTensorStorage(100_000), transform=transform)
+        rng = np.random.default_rng(0)
+        obs = [env.reset()[0]]
+
+        def run():
+            for _ in range(steps):
+                action = rng.integers(0, 2, n_envs)
+                next_obs, reward, terminated, truncated, info = env.step(action)
+                rows = cleanbuf.step_rows(obs[0], action, next_obs, reward, terminated, truncated)
+                rb.extend(rows)
+                obs[0] = next_obs
+            if len(rb) > 90_000:
+                rb.empty()
+
+        return run
+
+    calls = {"plain": loop(None), "filter": loop(AutoresetFilter(layout="step"))}
+    times = alternate(calls, rounds)  # (it warms each loop up first)
+    table.add(
+        f"e2e: raw EnvPool CartPole loop of {n_envs} envs, step_rows into a buffer every step: "
+        "with the filter / with a plain buffer",
+        ms(statistics.median(times["plain"]) / steps),
+        ms(statistics.median(times["filter"]) / steps),
+        ratio(times, "filter", "plain"),
+        1.10,
+        "<=",
+        note=f"per step; rounds of {steps} steps",
+    )
+
+
 def e2e_cases(table: Table, quick: bool) -> str:
     """The end-to-end cases of the cost issue; returns the calls-per-extend line."""
     rounds = 40 if quick else 400
@@ -824,7 +891,7 @@ def e2e_cases(table: Table, quick: bool) -> str:
         [steps[:, t].clone() for t in range(n_steps)],
         n_steps - 3,
         4096,
-        15,
+        25,
         None,
         layout="step",
     )
@@ -834,7 +901,7 @@ def e2e_cases(table: Table, quick: bool) -> str:
         chained("mujoco", 0.0, 8, 128, rounds + 3),
         rounds,
         4096,
-        5,
+        10,
         None,
     )
     e2e_case(
@@ -844,8 +911,10 @@ def e2e_cases(table: Table, quick: bool) -> str:
         5 if quick else 30,
         4096,
         None,
-        1.05,
+        1.10,
     )
+    wide_step_case(table, 20 if quick else 100)
+    envpool_loop_case(table, 10 if quick else 40)
     repair_case(table, rounds)
     calls, functions, modules = calls_per_extend()
     table.add(
