@@ -15,6 +15,7 @@ import pickle
 from unittest import mock
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -424,3 +425,19 @@ def test_numpy_and_torch_paths_agree(seed, n, steps, variant, joint, wide, data)
             assert a is None and b is None, f"call {i}: one path stored rows, the other none"
             continue
         assert_same_rows(a, b, f"call {i}:")
+
+
+@pytest.mark.slow  # 49k rows compared one by one with the reference: seconds
+def test_a_step_of_4096_envs_equals_the_reference():
+    """One step of 4096 envs per call (``layout="step"``), as GPU simulators
+    give it, for 12 steps, episodes of 1 to 6 steps. Bugs caught at that
+    width only: a stream index kept in a narrow dtype, a per-call array
+    sized by a small default, a held row given to the wrong env among
+    thousands, a call read as "nothing to clean" while one env of 4096 has
+    a reset row pending.
+    """
+    rng = np.random.default_rng(4096)
+    raw, truth = simulate(rng, 4096, 12, max_len=6, zero_fill=False)
+    td = grid_td(raw, (4096,))
+    calls = [td[:, t] for t in range(12)]
+    run_and_check(AutoresetFilter("next_step", layout="step"), calls, raw, truth)
