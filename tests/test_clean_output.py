@@ -111,7 +111,7 @@ def _load(path: str, capacity: int | None) -> dict:
         with h5py.File(path, "r") as f:
             f.visititems(visit)
         return out
-    if os.path.isdir(os.path.join(path, "storage")):
+    if os.path.isdir(os.path.join(path, "storage")):  # a dump
         rb = ReplayBuffer(storage=LazyMemmapStorage(capacity))
         rb.loads(path)
         rows = rb[: len(rb)]
@@ -144,7 +144,7 @@ def loop():
 
 
 SOURCES = ["npz", "hdf5", "memmap", "dump-rows", "dump-chunks"]
-OUTPUTS = {"npz": "dst.npz", "hdf5": "dst.h5", "dir": "dst"}
+OUTPUTS = {"npz": "dst.npz", "hdf5": "dst.h5", "dir": "dst/"}
 
 
 @pytest.mark.parametrize("out", list(OUTPUTS))
@@ -160,7 +160,7 @@ def test_several_pieces_read_back_whole(loop, src, out, tmp_path, monkeypatch):
     data, oracle = loop
     monkeypatch.setattr(_clean_files, "PIECE_BYTES", 1 << 20)  # 1 MB: several pieces
     source = _save(src, data, tmp_path)
-    dst = str(tmp_path / OUTPUTS[out])
+    dst = os.path.join(tmp_path, OUTPUTS[out])  # (pathlib would drop dst/'s slash)
     done = clean_dataset(source, dst)
     want = _expected_rows(data)
     assert done.stats["rows_out"] == want.sum()
@@ -192,10 +192,23 @@ def test_the_output_is_checked_before_it_is_moved(loop, tmp_path, monkeypatch):
             json.dump(meta, f)
 
     monkeypatch.setattr(_formats, "_set_len", set_len)
-    dst = str(tmp_path / "dst")
+    dst = os.path.join(tmp_path, "dst/")
     assert main(["clean", source, dst, "--no-progress"]) == 2
-    assert wrong and not os.path.exists(dst)
+    assert wrong and not os.path.exists(tmp_path / "dst")
     assert not [p for p in os.listdir(tmp_path) if "cleanbuf-tmp" in p]
+
+
+def test_a_dst_without_a_suffix_keeps_the_source_format(loop, tmp_path):
+    """Bug caught: a .npz source cleaned to a plain name written as some
+    other format than the one the user has (the name says nothing else).
+    """
+    data, oracle = loop
+    source = _save("npz", data, tmp_path)
+    clean_dataset(source, str(tmp_path / "cleaned"))
+    assert open(tmp_path / "cleaned", "rb").read(4) == b"PK\x03\x04"
+    with open(tmp_path / "cleaned", "rb") as f:
+        rows = dict(np.load(f))
+    _compare(rows, oracle, _expected_rows(data))
 
 
 def test_a_dst_naming_another_format_is_refused(loop, tmp_path, capsys):
@@ -224,7 +237,7 @@ def test_a_dataset_of_several_default_pieces(out, tmp_path, capsys):
     data, oracle = _arrays(modes.NEXT_STEP, 1600), _arrays(modes.DISABLED, 1600)
     assert sum(a.nbytes for a in data.values()) > 2.5 * _clean_files.PIECE_BYTES
     source = _save("dump-chunks", data, tmp_path)
-    dst = str(tmp_path / OUTPUTS[out])
+    dst = os.path.join(tmp_path, OUTPUTS[out])
     assert main(["clean", source, dst, "--no-progress", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     want = _expected_rows(data)

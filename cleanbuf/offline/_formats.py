@@ -62,8 +62,9 @@ OTHER_FILE_SUFFIXES = (
     ".parquet", ".zarr", ".txt",
 )  # fmt: skip
 WRITTEN = (
-    "a .npz file (DST ending .npz), an HDF5 file (.h5, .hdf5), or a directory (any other "
-    "name): a TorchRL dump (rb.loads), or a TensorDict memmap directory when SRC is one"
+    "a .npz file (DST ending .npz), an HDF5 file (.h5, .hdf5), a directory (DST ending "
+    "with a slash: a TorchRL dump, or a TensorDict memmap directory when SRC is one), or "
+    "SRC's format (any other name)"
 )
 
 
@@ -72,31 +73,28 @@ class OutputCheckError(CleanbufError):
 
 
 def output_format(dst: str, src_format: str) -> str:
-    """The format ``dst`` names: its suffix for a file, else a directory like SRC's.
-
-    A ``.npz`` or HDF5 source cleaned into a directory gives a TorchRL dump.
-
-    Raises:
-        InputError: ``dst`` names a file format cleanbuf does not write.
+    """The format ``dst`` names: its suffix, a trailing slash for a directory, else SRC's.
 
     Examples:
         >>> output_format("clean.h5", NPZ), output_format("runs/rb_clean", MEMMAP)
         ('hdf5', 'memmap')
-        >>> output_format("runs/rb_clean", NPZ)
-        'torchrl-dump'
+        >>> output_format("runs/rb_clean/", NPZ), output_format("runs/clean", NPZ)
+        ('torchrl-dump', 'npz')
         >>> output_format("clean.pkl", NPZ)
         Traceback (most recent call last):
         ...
         cleanbuf.engine._errors.InputError: DST clean.pkl names a format cleanbuf does not ...
     """
-    suffix = os.path.splitext(dst.rstrip(os.sep))[1].lower()
+    suffix = os.path.splitext(dst.rstrip("/" + os.sep))[1].lower()
     if suffix == ".npz":
         return NPZ
     if suffix in HDF5_SUFFIXES:
         return HDF5
     if suffix in OTHER_FILE_SUFFIXES:
         raise InputError(f"DST {dst} names a format cleanbuf does not write; it writes {WRITTEN}.")
-    return src_format if src_format in (DUMP, MEMMAP) else DUMP
+    if dst.endswith(("/", os.sep)):
+        return MEMMAP if src_format == MEMMAP else DUMP
+    return src_format if src_format in (DUMP, MEMMAP, NPZ, HDF5) else DUMP
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("--plot", metavar="FILE.png", help="draw the artifacts (needs matplotlib)")
     _shape_flags(audit)
     clean = sub.add_parser(
-        "clean", help="write a cleaned copy of SRC to DST (.npz, .h5/.hdf5 or a directory)"
+        "clean", help="write a cleaned copy of SRC to DST (.npz, .h5/.hdf5, DIR/ or SRC's format)"
     )
     clean.add_argument("src")
     clean.add_argument("dst")
