@@ -323,7 +323,7 @@ def _check_id(minari: Any, dataset_id: str, force: bool) -> None:
         from minari.dataset.minari_dataset import parse_dataset_id
 
         parse_dataset_id(dataset_id)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:  # (TypeError: Minari's parse of an id without -vN)
         raise InputError(
             f"dataset_id {dataset_id!r} is not a Minari id ({err}); the form is "
             "(namespace/)(env_name/)name-vN, e.g. 'cartpole/mine-v0'."
