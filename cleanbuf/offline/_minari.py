@@ -328,6 +328,12 @@ def _check_id(minari: Any, dataset_id: str, force: bool) -> None:
             f"dataset_id {dataset_id!r} is not a Minari id ({err}); the form is "
             "(namespace/)(env_name/)name-vN, e.g. 'cartpole/mine-v0'."
         ) from err
+    root = os.environ.get("MINARI_DATASETS_PATH")
+    if root is not None and not os.path.isabs(root):
+        raise InputError(
+            f"MINARI_DATASETS_PATH={root!r} is a relative path, which Minari 0.5 cannot write "
+            "to (it joins the path twice); set it to an absolute path (os.path.abspath)."
+        )
     if not force and os.path.exists(minari.storage.get_dataset_path(dataset_id)):
         raise InputError(
             f"a Minari dataset {dataset_id!r} exists already "
