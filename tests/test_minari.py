@@ -141,6 +141,7 @@ def _check_counts(export):
     assert export.rows == export.stats["rows_out"]
     kinds = export.terminated + export.truncated + export.unfinished + export.lost_shortened
     assert kinds == export.episodes
+    assert export.restarts == 0  # no env restarts in these runs: nothing cut mid-episode
 
 
 def test_next_step_loop_exports_the_explicit_reset_episodes():
@@ -401,3 +402,36 @@ def test_fixed_horizon_joint_resets_are_never_exported_as_complete():
     assert dropped.lost_dropped == lost and dropped.episodes == dropped.unfinished == 3
     with pytest.raises(TerminalObservationLostError, match="lost_final='shorten'"):
         cleanbuf.to_minari(rows, "pendulum/joint-raise-v0", lost_final="raise")
+
+
+def test_env_restarts_end_episodes_unfinished():
+    """A TorchRL Collector with ``reset_at_each_iter=True`` restarts every
+    env at each batch, mid-episode, with no episode end in the data (here
+    over Gymnasium's explicit-reset vector env: the data is clean). Bugs
+    caught: the episode before a restart run together with the one after
+    it (an observation chain broken inside an exported episode), or
+    exported as ended, and restarts not counted.
+    """
+    from torchrl.collectors import Collector
+
+    from tests.oracle import make_env, push_left_policy
+
+    env = make_env("CartPole-v1", 2, disabled=True)
+    collector = Collector(
+        env, push_left_policy, frames_per_batch=2 * 24, total_frames=2 * 24 * 4,
+        reset_at_each_iter=True,
+    )  # fmt: skip
+    batches = [b.clone() for b in collector]
+    collector.shutdown()
+    rows = torch.cat(batches, 1)
+    ends_at_batch_end = sum(int(b["next", "done"][e, -1]) for b in batches[:-1] for e in range(2))
+    export = cleanbuf.to_minari(rows, "cartpole/restarts-v0", env="CartPole-v1")
+    print(export)
+    assert export.audit.clean
+    assert export.restarts == 2 * (len(batches) - 1) - ends_at_batch_end > 0
+    assert export.unfinished == export.restarts + 2
+    assert export.terminated == int(rows["next", "done"].sum())
+    assert export.rows == export.steps
+    ended_only = cleanbuf.to_minari(rows, "cartpole/restarts-ended-v0", unfinished="drop")
+    assert ended_only.episodes == export.terminated
+    assert ended_only.unfinished_dropped == export.unfinished

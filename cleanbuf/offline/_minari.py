@@ -45,6 +45,7 @@ EXTRA = "pip install 'cleanbuf[minari]'"
 LOST_FINAL = ("shorten", "drop", "raise")
 UNFINISHED = ("truncate", "drop")
 OBS, NEXT_OBS, ACTION = ("observation",), ("next", "observation"), ("action",)
+TRAJ = ("collector", "traj_ids")
 # Minari warns at every call for each metadata entry left out; the report lists them once.
 METADATA = ("author", "author_email", "algorithm_name", "code_permalink", "description")
 
@@ -460,6 +461,7 @@ def _arrays(rows: TensorDictBase) -> dict:
         "terminated": term,
         "truncated": trunc,
         "end": end,
+        "traj": None if (traj := rows.get(TRAJ, None)) is None else traj.reshape(n).numpy(),
     }
 
 
@@ -498,10 +500,14 @@ def _episodes(arrays: dict, env_of: np.ndarray, lost_final: str, unfinished: str
         pos = np.flatnonzero(env_of == e)
         obs = _tree_rows(arrays["obs"], lambda a, p=pos: a[p])
         nxt = _tree_rows(arrays["next_obs"], lambda a, p=pos: a[p])
-        # Within an episode, a row's next observation is the next row's observation.
+        # Within an episode, a row's next observation is the next row's observation
+        # (and a collector's trajectory id stays); else the env restarted there.
         linked = _chains(_tree_rows(nxt, lambda a: a[:-1]), _tree_rows(obs, lambda a: a[1:]),
                          len(pos) - 1)  # fmt: skip
         end = arrays["end"][pos]
+        if arrays["traj"] is not None:  # a collector's trajectory id: one per episode
+            traj = arrays["traj"][pos]
+            linked &= traj[1:] == traj[:-1]
         cut = np.flatnonzero(end[:-1] | ~linked)
         parts = np.split(pos, cut + 1)
         for i, rows in enumerate(parts):
