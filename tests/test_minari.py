@@ -214,22 +214,35 @@ def _split_obs():
     )
 
 
-def _dict_loop(mode, as_rows=False):
-    """A sync vector env of :func:`_split_obs`, pushing left; explicit resets when DISABLED.
+def _int_obs():
+    """CartPole with integer observations (thousandths), as a discretised state would be."""
+    box = gym.spaces.Box(-(2**20), 2**20, (4,), np.int32)
+    env = gym.make("CartPole-v1")
+    return gym.wrappers.TransformObservation(
+        env, lambda o: np.round(o * 1000).astype(np.int32), box
+    )
+
+
+def _wrapped_loop(make, mode, as_rows=False, with_info=True):
+    """A sync vector env of ``make``, pushing left; explicit resets when DISABLED.
 
     Returns the rows per step, or (DISABLED) the oracle's episodes per env.
     """
-    venv = gym.vector.SyncVectorEnv([_split_obs] * E, autoreset_mode=mode)
+    venv = gym.vector.SyncVectorEnv([make] * E, autoreset_mode=mode)
     obs, _ = venv.reset(seed=0)
     rows = []
     for _ in range(STEPS):
         action = np.zeros(E, np.int64)
-        next_obs, reward, terminated, truncated, _ = venv.step(action)
-        rows.append(cleanbuf.step_rows(obs, action, next_obs, reward, terminated, truncated))
+        next_obs, reward, terminated, truncated, info = venv.step(action)
+        info = info if with_info else None
+        rows.append(cleanbuf.step_rows(obs, action, next_obs, reward, terminated, truncated, info))
         obs, done = next_obs, terminated | truncated
         if mode == DISABLED and done.any():
             reset_obs, _ = venv.reset(options={"reset_mask": done})
-            obs = {k: np.where(done[:, None], reset_obs[k], next_obs[k]) for k in obs}
+            if isinstance(obs, dict):
+                obs = {k: np.where(done[:, None], reset_obs[k], next_obs[k]) for k in obs}
+            else:
+                obs = np.where(done[:, None], reset_obs, next_obs)
     venv.close()
     if as_rows:
         return rows
@@ -244,14 +257,34 @@ def test_dict_observations_become_a_dict_space():
     observation restored in one entry but not the other, a space that does
     not hold the data.
     """
-    oracle = _dict_loop(DISABLED)
-    rows = torch.stack(_dict_loop(NEXT_STEP, as_rows=True), 0)
+    oracle = _wrapped_loop(_split_obs, DISABLED)
+    rows = torch.stack(_wrapped_loop(_split_obs, NEXT_STEP, as_rows=True), 0)
     export = cleanbuf.to_minari(rows, "cartpole/dict-v0")
     _check_counts(export)
     space = minari.load_dataset("cartpole/dict-v0").observation_space
     assert isinstance(space, gym.spaces.Dict) and set(space.spaces) == {"pos", "vel"}
     exact, prefix = compare_with_oracle("cartpole/dict-v0", export, oracle, lambda a: a)
     assert exact == export.terminated > E and prefix == E
+
+
+def test_integer_observations_lost_by_a_same_step_producer():
+    """Integer observations from a same-step loop that never stored the
+    final observations: no NaN can mark a lost integer, yet every lost one
+    must be found. Bugs caught: an integer episode exported whole with the
+    reset observation as its final one, the export refusing integer data,
+    the observations stored as floats.
+    """
+    oracle = _wrapped_loop(_int_obs, DISABLED)
+    rows = torch.stack(_wrapped_loop(_int_obs, SAME_STEP, as_rows=True, with_info=False), 0)
+    export = cleanbuf.to_minari(rows, "cartpole/int-v0")
+    print(export)
+    _check_counts(export)
+    assert export.lost_shortened == export.stats["terminal_obs_missing"] > E
+    assert export.terminated == 0
+    data = minari.load_dataset("cartpole/int-v0")
+    assert data.observation_space.dtype == np.int32 and data[0].observations.dtype == np.int32
+    exact, prefix = compare_with_oracle("cartpole/int-v0", export, oracle, lambda a: a)
+    assert exact == 0 and prefix == export.episodes
 
 
 def test_command_line_export_of_an_npz_file(tmp_path, capsys):

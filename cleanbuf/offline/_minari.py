@@ -18,10 +18,9 @@ step earlier, as truncated, at the last observation the data holds
 end in the data (the last one of each env, or one cut by a restart of its
 env) is exported as truncated, or left out with ``unfinished="drop"``.
 
-Honest failure modes: observations that are not floating point cannot be
-marked lost (no NaN), so data of that kind whose terminal observations are
-lost is refused (a :class:`~cleanbuf.TerminalObservationLostError`) rather
-than exported with a zero or a reset observation as a final one.
+Observations that are not floating point (pixels, discrete states) are
+cleaned as floats that hold their values exactly, so that a lost one can
+be marked NaN, and exported in their own dtype.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ import torch
 from tensordict import TensorDictBase
 
 from cleanbuf.engine._errors import InputError, TerminalObservationLostError
+from cleanbuf.engine._keys import FINAL_KEYS
 from cleanbuf.offline._audit import Report
 from cleanbuf.offline._formats import Dataset, Shape, read
 
@@ -249,8 +249,7 @@ def to_minari(
             a bad option, a dataset id that exists (without ``force``), or
             data whose arrays do not fit the env's spaces.
         TerminalObservationLostError: ``lost_final="raise"`` and an
-            episode's final observation is lost, or lost terminal
-            observations that are not floating point (no NaN marks them).
+            episode's final observation is lost.
         CleanbufError: data the clean refuses (named, with the fix).
 
     Examples:
@@ -285,9 +284,10 @@ def to_minari(
     shape = Shape(layout, envs, keys)
     with tempfile.TemporaryDirectory(prefix="cleanbuf-") as tmp:
         ds, name = _dataset(data, shape, os.path.join(tmp, "dump"))
-        cleaned = _clean(ds, options)
+        cleaned, dtypes = _clean(ds, options)
     rows, env_of = _torchrl_named(cleaned.rows, ds.names), np.asarray(cleaned.env)
     arrays = _arrays(rows)
+    arrays["obs"], arrays["obs_dtypes"] = _retype(arrays["obs"], dtypes), dtypes  # (never NaN)
     done = Export(dataset_id, "", name, cleaned.report, dict(cleaned.stats), rows=len(env_of))
     episodes = _episodes(arrays, env_of, lost_final, unfinished, done)
     obs_space = observation_space or env_spaces[0] or _infer(arrays["obs"], "observation")
@@ -390,31 +390,71 @@ def _dataset(data: Any, shape: Shape, tmp: str) -> tuple[Dataset, str]:
     return ds, name
 
 
-def _clean(ds: Dataset, options: dict) -> Any:
-    """The cleaned rows, lost terminal observations marked NaN (floating ones).
+def _clean(ds: Dataset, options: dict) -> tuple[Any, dict]:
+    """The cleaned rows, lost terminal observations marked NaN; the observations' dtypes.
 
-    The cleaner's other policies would not do here: ``drop`` removes the
-    done row (its episode would run into the next one), ``keep`` stores a
-    zero or a reset observation as the final one.
+    Observations that are not floating point are cleaned as floats (exact
+    for the integers they hold) so that a lost one can be marked, and get
+    their dtype back when exported (:func:`_retype`). The cleaner's other
+    policies would not do here: ``drop`` removes the done row (its episode
+    would run into the next one), ``keep`` stores a zero or a reset
+    observation as the final one.
+
+    Returns:
+        ``(cleaned, dtypes)``: the :class:`~cleanbuf.offline.Cleaned`, and
+        per observation leaf cast (its key inside ``observation``), its
+        numpy dtype.
     """
     from cleanbuf.offline._clean_files import clean_dataset
 
-    floating = all(torch.is_floating_point(v) for k, v in ds.data.items(True, True) if _is_obs(k))
-    lost = "nan" if floating else "raise"
-    try:
-        return clean_dataset(ds, None, on_lost_terminal_obs=lost, **options)
-    except TerminalObservationLostError as err:
-        raise TerminalObservationLostError(
-            f"{err}\nThe observations are not floating point, so a lost final observation "
-            "cannot be marked (NaN) and its episode told apart: such data cannot be exported "
-            "as episodes. Collect it with explicit resets, or keep the terminal observations "
-            "(a raw loop's next observation, or the info's final_obs)."
-        ) from err
+    casts = {
+        k: v.dtype
+        for k, v in ds.data.items(True, True)
+        if _is_obs(k) and not torch.is_floating_point(v)
+    }
+    if casts:
+        data = ds.data.copy()
+        for key in casts:
+            data.set(key, _as_float(data.get(key), key))
+        ds = dataclasses.replace(ds, data=data)
+    cleaned = clean_dataset(ds, None, on_lost_terminal_obs="nan", **options)
+    dtypes = {
+        _key(k)[len(OBS) :]: torch.empty(0, dtype=dt).numpy().dtype
+        for k, dt in casts.items()
+        if _key(k)[: len(OBS)] == OBS
+    }
+    return cleaned, dtypes
+
+
+def _as_float(t: torch.Tensor, key: Any) -> torch.Tensor:
+    """An integer (or boolean) observation as floats that hold each value exactly."""
+    if t.dtype in (torch.bool, torch.uint8, torch.int8, torch.int16):
+        return t.to(torch.float32)
+    big = int(t.abs().max()) if t.numel() else 0
+    if big >= 2**53:
+        raise InputError(
+            f"observation {'/'.join(_key(key))} ({t.dtype}) holds {big}, which float64 does "
+            "not hold exactly; lost terminal observations cannot be marked. Export "
+            "observations under 2**53."
+        )
+    return t.to(torch.float64)
+
+
+def _key(key: Any) -> tuple:
+    return key if isinstance(key, tuple) else (key,)
 
 
 def _is_obs(key: Any) -> bool:
-    key = key if isinstance(key, tuple) else (key,)
-    return key[: len(OBS)] == OBS or key[: len(NEXT_OBS)] == NEXT_OBS
+    """An observation leaf: under ``observation``, ``("next", "observation")`` or a final entry."""
+    key = _key(key)
+    return any(key[: len(p)] == p for p in (OBS, NEXT_OBS, *FINAL_KEYS))
+
+
+def _retype(tree: Any, dtypes: dict, path: tuple = ()) -> Any:
+    """Observations cleaned as floats back in their own dtypes."""
+    if isinstance(tree, dict):
+        return {k: _retype(v, dtypes, (*path, k)) for k, v in tree.items()}
+    return tree if path not in dtypes else tree.astype(dtypes[path])
 
 
 def _torchrl_named(rows: TensorDictBase, names: dict) -> TensorDictBase:
@@ -562,7 +602,7 @@ def _buffer(arrays: dict, ep: _Episode, obs_space: Any, act_space: Any) -> Any:
     source, row = ep.final
     final = _tree_rows(arrays[source], lambda a: a[row : row + 1])
     obs = _tree_rows(arrays["obs"], lambda a: a[rows])
-    obs = _join(obs, final)
+    obs = _retype(_join(obs, final), arrays["obs_dtypes"])
     n = len(rows)
     terminations = np.zeros(n, bool)
     truncations = np.zeros(n, bool)
