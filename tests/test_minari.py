@@ -166,6 +166,16 @@ def test_next_step_loop_exports_the_explicit_reset_episodes():
     data = minari.load_dataset("cartpole/next-step-v0")
     assert data.recover_environment().spec.id == "CartPole-v1"
     assert data.storage.metadata["author"] == {"tests"}
+    # The same steps extended into a replay buffer one step at a time (flat rows, envs
+    # interleaved): the envs are recovered from the data, and the episodes are the same.
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000))
+    for step in rows:
+        rb.extend(step)
+    from_rb = cleanbuf.to_minari(rb, "cartpole/from-rb-v0", env="CartPole-v1")
+    assert from_rb.episode_envs == export.episode_envs
+    assert compare_with_oracle("cartpole/from-rb-v0", from_rb, oracle, _column) == (exact, prefix)
     left_out = cleanbuf.to_minari(rows, "cartpole/ended-only-v0", unfinished="drop")
     assert left_out.unfinished_dropped == E and left_out.unfinished == 0
     assert left_out.episodes == export.episodes - E
@@ -342,8 +352,8 @@ def test_missing_extra_names_it(monkeypatch, tmp_path, capsys):
 def test_bad_options_and_data_that_does_not_fit_the_env():
     """Bugs caught: a misspelt choice accepted, a malformed dataset id
     failing after the work (or writing half a dataset), actions of one env
-    stored under another env's space, and a failed write leaving a dataset
-    that loads.
+    stored under another env's space, and a failed write leaving a
+    half-written dataset behind.
     """
     name, kwargs, policy = ENVS["Pendulum-truncates"]
     rows = _raw(name, kwargs, policy, NEXT_STEP, steps=20)
@@ -355,8 +365,15 @@ def test_bad_options_and_data_that_does_not_fit_the_env():
     with pytest.raises(InputError, match=r"observation has shape \[3\] .* holds \[4\]"):
         cleanbuf.to_minari(rows, "pendulum/x-v0", env="CartPole-v1")
     assert "pendulum/x-v0" not in minari.list_local_datasets()
+    # Minari fails after creating the dataset's folder (a space it cannot store): no
+    # half-written dataset is left to be loaded (or to block the id).
+    unsupported = gym.spaces.Sequence(gym.spaces.Discrete(2))
+    with pytest.raises(NotImplementedError):
+        cleanbuf.to_minari(rows, "pendulum/x-v0", action_space=unsupported)
+    assert not minari.storage.get_dataset_path("pendulum/x-v0").exists()
+    assert cleanbuf.to_minari(rows, "pendulum/x-v0").episodes > 0
     with pytest.raises(InputError, match="max_episode_steps is for the env recorded"):
-        cleanbuf.to_minari(rows, "pendulum/x-v0", max_episode_steps=6)
+        cleanbuf.to_minari(rows, "pendulum/y-v0", max_episode_steps=6)
 
 
 # --- TorchRL GymEnv(num_envs): sub-env processes, so slow -----------------------------

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 import tempfile
 import warnings
 from typing import Any
@@ -302,8 +303,8 @@ def to_minari(
         "description": description,
     }
     done.missing_metadata = [k for k in METADATA if metadata[k] is None]
-    if force and dataset_id in minari.list_local_datasets():
-        minari.delete_dataset(dataset_id)
+    if force:  # only now: every check on the data has passed
+        shutil.rmtree(minari.storage.get_dataset_path(dataset_id), ignore_errors=True)
     _write(minari, dataset_id, buffers, spec, eval_env, obs_space, act_space, metadata,
            requirements, jpeg_encoding)  # fmt: skip
     done.path = os.fspath(minari.storage.get_dataset_path(dataset_id))
@@ -742,10 +743,5 @@ def _write(minari, dataset_id, buffers, spec, eval_env, obs_space, act_space, me
                 **metadata,
             )
     except BaseException:
-        if dataset_id in minari.list_local_datasets() or os.path.exists(
-            minari.storage.get_dataset_path(dataset_id)
-        ):
-            import shutil
-
-            shutil.rmtree(minari.storage.get_dataset_path(dataset_id), ignore_errors=True)
+        shutil.rmtree(minari.storage.get_dataset_path(dataset_id), ignore_errors=True)
         raise
