@@ -281,11 +281,16 @@ def test_integer_observations_lost_by_a_same_step_producer():
     """Integer observations from a same-step loop that never stored the
     final observations: no NaN can mark a lost integer, yet every lost one
     must be found. Bugs caught: an integer episode exported whole with the
-    reset observation as its final one, the export refusing integer data,
-    the observations stored as floats.
+    reset observation as its final one, the export refusing integer data
+    (or failing on an integer entry it does not export), the observations
+    stored as floats.
     """
     oracle = _wrapped_loop(_int_obs, DISABLED)
     rows = torch.stack(_wrapped_loop(_int_obs, SAME_STEP, as_rows=True, with_info=False), 0)
+    # Another observation entry beside it (uint8 pixels, as a TorchRL env renders): not
+    # exported, and no reason to fail.
+    rows.set("pixels", (rows["observation"] % 251).to(torch.uint8))
+    rows.set(("next", "pixels"), (rows["next", "observation"] % 251).to(torch.uint8))
     export = cleanbuf.to_minari(rows, "cartpole/int-v0")
     print(export)
     _check_counts(export)

@@ -20,7 +20,10 @@ env) is exported as truncated, or left out with ``unfinished="drop"``.
 
 Observations that are not floating point (pixels, discrete states) are
 cleaned as floats that hold their values exactly, so that a lost one can
-be marked NaN, and exported in their own dtype.
+be marked NaN, and exported in their own dtype. Only the entries an
+episode holds go through the clean (``observation``, ``action``, the
+reward, the flags and the bookkeeping); the cleaned rows are held in
+memory until they are written.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ LOST_FINAL = ("shorten", "drop", "raise")
 UNFINISHED = ("truncate", "drop")
 OBS, NEXT_OBS, ACTION = ("observation",), ("next", "observation"), ("action",)
 TRAJ = ("collector", "traj_ids")
+# Root entries an export keeps (their "next" twins too, and the reward and final entries).
+ROOT_KEPT = ("observation", "action", "done", "terminated", "truncated", "is_init", "step_count",
+             "collector")  # fmt: skip
 # Minari warns at every call for each metadata entry left out; the report lists them once.
 METADATA = ("author", "author_email", "algorithm_name", "code_permalink", "description")
 
@@ -408,16 +414,15 @@ def _clean(ds: Dataset, options: dict) -> tuple[Any, dict]:
     """
     from cleanbuf.offline._clean_files import clean_dataset
 
+    # Only what an episode holds goes through: other observation keys (pixels beside
+    # the observation, user keys) would be cleaned, marked and held for nothing.
+    data = ds.data.select(*(k for k in ds.data.keys(True, True) if _exported(k)))
     casts = {
-        k: v.dtype
-        for k, v in ds.data.items(True, True)
-        if _is_obs(k) and not torch.is_floating_point(v)
+        k: v.dtype for k, v in data.items(True, True) if _is_obs(k) and not v.is_floating_point()
     }
-    if casts:
-        data = ds.data.copy()
-        for key in casts:
-            data.set(key, _as_float(data.get(key), key))
-        ds = dataclasses.replace(ds, data=data)
+    for key in casts:
+        data.set(key, _as_float(data.get(key), key))
+    ds = dataclasses.replace(ds, data=data)
     cleaned = clean_dataset(ds, None, on_lost_terminal_obs="nan", **options)
     dtypes = {
         _key(k)[len(OBS) :]: torch.empty(0, dtype=dt).numpy().dtype
@@ -439,6 +444,20 @@ def _as_float(t: torch.Tensor, key: Any) -> torch.Tensor:
             "observations under 2**53."
         )
     return t.to(torch.float64)
+
+
+def _exported(key: Any) -> bool:
+    """A key the export reads or the clean needs: observation, action, reward, flags, bookkeeping.
+
+    Examples:
+        >>> [_exported(k) for k in ("action", ("next", "pixels"), ("next", "_final_obs"))]
+        [True, False, True]
+    """
+    key = _key(key)
+    finals = {p[1] for p in FINAL_KEYS} | {"_" + p[1] for p in FINAL_KEYS}
+    if key[0] == "next":
+        return len(key) > 1 and (key[1] in finals or key[1] in (*ROOT_KEPT, "reward"))
+    return key[0] in ROOT_KEPT
 
 
 def _key(key: Any) -> tuple:
