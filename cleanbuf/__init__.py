@@ -9,6 +9,8 @@ The public API:
   replay buffer filled without the filter, or a dataset on disk.
 * :func:`audit`: what auto-reset artifacts stored data holds (also the
   ``cleanbuf audit`` / ``cleanbuf clean`` command line).
+* :func:`to_minari`: the cleaned episodes as a Minari dataset (also
+  ``cleanbuf export``; needs the ``minari`` extra).
 * :func:`step_rows`: one raw vector-env step as the rows the filter expects.
 * :class:`RolloutRepair`: the same cleaning for on-policy learners: the
   collector's ``[*E, T]`` batch returned repaired (time axis kept, reset rows
@@ -33,6 +35,7 @@ from cleanbuf.engine._errors import (
 from cleanbuf.engine._options import Options
 from cleanbuf.offline import audit
 from cleanbuf.offline._clean import clean
+from cleanbuf.offline._minari import to_minari
 from cleanbuf.online._lossless import lossless_gym_env
 from cleanbuf.online._repair import RolloutRepair
 from cleanbuf.online._rows import step_rows
@@ -54,4 +57,5 @@ __all__ = [
     "clean",
     "lossless_gym_env",
     "step_rows",
+    "to_minari",
 ]

@@ -5,13 +5,17 @@
   the rows themselves.
 * :func:`clean_dataset`: the cleaned dataset, written next to the source in
   its format.
+* :func:`to_minari`: the cleaned episodes as a Minari dataset (an
+  :class:`Export` says what was written and left out).
 
-The command line (``cleanbuf audit PATH``, ``cleanbuf clean SRC DST``) is
+The command line (``cleanbuf audit PATH``, ``cleanbuf clean SRC DST``,
+``cleanbuf export SRC DATASET_ID``) is
 :mod:`cleanbuf.offline.cli`.
 """
 
 from cleanbuf.offline._audit import Report, audit
 from cleanbuf.offline._clean_files import Cleaned, clean_dataset
 from cleanbuf.offline._formats import Dataset, read
+from cleanbuf.offline._minari import Export, to_minari
 
-__all__ = ["Cleaned", "Dataset", "Report", "audit", "clean_dataset", "read"]
+__all__ = ["Cleaned", "Dataset", "Export", "Report", "audit", "clean_dataset", "read", "to_minari"]

@@ -1,4 +1,7 @@
-"""The command line: ``cleanbuf audit PATH`` and ``cleanbuf clean SRC DST``.
+"""The command line: ``cleanbuf audit PATH``, ``cleanbuf clean SRC DST``, ``cleanbuf export``.
+
+``cleanbuf export SRC DATASET_ID`` writes SRC's cleaned episodes as a
+Minari dataset (needs the ``minari`` extra); see :func:`cleanbuf.to_minari`.
 
 Exit status, so that ``cleanbuf audit`` can guard a pipeline:
 
@@ -33,6 +36,7 @@ EXAMPLES = """examples:
   cleanbuf clean data.npz clean.npz --on-lost-terminal-obs drop
   cleanbuf audit rollout.npz --layout time_first
   cleanbuf audit rows.npz --layout flat --envs 8 --key reward=r
+  cleanbuf export runs/rb_dump cartpole/mine-v0 --env CartPole-v1 --author me
 
 exit status: 0 clean (audit) or cleaned (clean), 1 artifacts found,
 2 error, 3 the audit cannot tell (say --layout)
@@ -97,7 +101,69 @@ def _parser() -> argparse.ArgumentParser:
     )
     clean.add_argument("--no-progress", action="store_true", help="no progress bar")
     clean.add_argument("--json", action="store_true", help="print the stats as JSON")
+    _export_parser(sub)
     return parser
+
+
+def _export_parser(sub) -> None:
+    """``cleanbuf export SRC DATASET_ID``: the options of :func:`cleanbuf.to_minari`."""
+    from cleanbuf.offline._minari import LOST_FINAL
+
+    export = sub.add_parser(
+        "export", help="write SRC's cleaned episodes as a Minari dataset (needs cleanbuf[minari])"
+    )
+    export.add_argument("src")
+    export.add_argument("dataset_id", help="the Minari id, e.g. cartpole/mine-v0")
+    export.add_argument("--env", help="the Gymnasium env id the data came from (recorded)")
+    export.add_argument(
+        "--max-episode-steps", type=int, help="the env's time limit, if not the registered one"
+    )
+    for name in ("author", "author-email", "algorithm-name", "code-permalink", "description"):
+        export.add_argument(f"--{name}", help="dataset metadata")
+    export.add_argument(
+        "--lost-final",
+        choices=LOST_FINAL,
+        default="shorten",
+        help="an episode whose final observation is lost: shorten (end it one step earlier, "
+        "truncated; default), drop, raise",
+    )
+    export.add_argument(
+        "--drop-unfinished",
+        action="store_true",
+        help="leave out the episodes that had not ended (default: exported as truncated)",
+    )
+    export.add_argument("--force", action="store_true", help="replace a dataset with that id")
+    export.add_argument("--mode", choices=MODES, help="the producer's mode (default: audited)")
+    export.add_argument("--joint-reset", choices=("yes", "no"), help="default: audited")
+    _shape_flags(export)
+    export.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _export(args: argparse.Namespace) -> int:
+    """Runs ``cleanbuf export``; prints its report."""
+    from cleanbuf.offline._minari import to_minari
+
+    done = to_minari(
+        args.src,
+        args.dataset_id,
+        env=args.env,
+        max_episode_steps=args.max_episode_steps,
+        author=args.author,
+        author_email=args.author_email,
+        algorithm_name=args.algorithm_name,
+        code_permalink=args.code_permalink,
+        description=args.description,
+        lost_final=args.lost_final,
+        unfinished="drop" if args.drop_unfinished else "truncate",
+        force=args.force,
+        mode=args.mode,
+        joint_reset=args.joint_reset,
+        layout=args.layout,
+        envs=args.envs,
+        keys=parse_keys(args.key),
+    )
+    print(json.dumps(done.to_dict(), indent=1) if args.json else done)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.plot and report.undecided is None:  # nothing checked: nothing to draw
                 report.plot(args.plot)
             return report.status
+        if args.command == "export":
+            return _export(args)
         options = {k: v for k, v in shape.items() if v}
         if args.mode is not None:
             options["mode"] = args.mode
