@@ -238,7 +238,13 @@ class Report:
         lines = [
             f"cleanbuf audit: {self.source} ({self.format})",
             f"  rows              {self.rows}"
-            + (f" (wrapped; {self.head} from a partly overwritten write)" if self.wrapped else ""),
+            + (
+                f" (wrapped; {self.head} from a partly overwritten write)"
+                if self.wrapped and self.head
+                else " (wrapped: read from the oldest row on)"
+                if self.wrapped
+                else ""
+            ),
             f"  streams           {self.envs} envs (each row's env stored by cleanbuf clean)"
             if self.env_stored
             else f"  streams           {self.envs} envs (from the layout)"

@@ -27,7 +27,7 @@ from cleanbuf.engine._keys import DONE_KEYS, done_flags
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._write import BufferPool, Views
 from cleanbuf.offline._audit import Report, analyse, stream_positions
-from cleanbuf.offline._formats import DUMP, Collect, Dataset, Shape, Writer, read
+from cleanbuf.offline._formats import DUMP, Collect, Dataset, Shape, Writer, done_of, read
 from cleanbuf.offline._joint import joint_rows
 
 ENV_KEY = "_cleanbuf_env"  # each row's env, as the audit recovered it
@@ -372,7 +372,8 @@ def _orphans(ds: Dataset, report: Report, positions: list) -> np.ndarray:
         if not len(pos):
             continue
         row = ds.rows(pos[:1])
-        done = row.get(("next", "done"), row.get(("next", "terminated"), None))
+        keys = {_tuple(k) for k in row.keys(True, True)}
+        done = done_of(keys, lambda k, row=row: row.get(k).numpy(), 1)  # or of the flags
         if float(row["next", "reward"].reshape(-1)[0]) == 0 and not bool(done.any()):
             out.append(int(pos[0]))
     return np.asarray(out, np.int64)

@@ -384,7 +384,8 @@ def _arrays(path: str, fmt: str, arrays: dict, shape: Shape | None = None) -> Da
     which, renamed = roles(list(arrays), shape.keys)
     arrays = {renamed.get(name, name): a for name, a in arrays.items()}
     need(set(arrays), path, renamed)
-    note = _done_as_data(arrays, renamed, shape, path)
+    convention = _sb3_convention(arrays, renamed, which, shape)
+    note = "; ".join(filter(None, [convention, _done_as_data(arrays, renamed, shape, path)]))
     names = {_tuple(tuple(k.split("/"))): src for src, k in renamed.items()}
     casts = {}
     for name in [ROLE_KEYS[r] for r in FLAG_ROLES if ROLE_KEYS[r] in arrays]:
@@ -408,6 +409,55 @@ def _arrays(path: str, fmt: str, arrays: dict, shape: Shape | None = None) -> Da
         names=names, casts=casts, layout=layout, layout_why=why, undecided=undecided,
         name_set=which, shape=shape,
     )  # fmt: skip
+
+
+def _sb3_convention(arrays: dict, renamed: dict, which: str, shape: Shape) -> str:
+    """Reads Stable-Baselines3's ``dones`` / ``timeouts`` by the convention that filled them.
+
+    SB3's own algorithms store ``dones = terminated | truncated`` and the
+    truncations again in ``timeouts``; CleanRL's DQN / SAC / TD3 call
+    ``rb.add(..., terminations, infos)``, so ``dones`` holds the
+    terminations only and ``timeouts`` (from the infos'
+    ``TimeLimit.truncated``) the truncations. Either way an episode ends at
+    ``dones | timeouts`` and terminates at ``dones & ~timeouts``. A
+    ``timeouts`` row outside ``dones`` happens only in CleanRL's
+    convention: ``dones`` is then read as the terminations (and written
+    back under its name), so the episode ends are their or.
+
+    Returns:
+        The note for the report: the convention found.
+
+    Examples:
+        >>> arrays = {"next/done": np.array([1, 0, 0.0]), "next/truncated": np.array([0, 1, 0.0])}
+        >>> renamed = {"dones": "next/done", "timeouts": "next/truncated"}
+        >>> _sb3_convention(arrays, renamed, "sb3", Shape())[:32]
+        'CleanRL convention (dones = term'
+        >>> sorted(arrays), renamed["dones"]
+        (['next/terminated', 'next/truncated'], 'next/terminated')
+    """
+    done, term, trunc = (ROLE_KEYS[r] for r in ("done", "terminated", "truncated"))
+    told = set(shape.keys or {})
+    source = {v: k for k, v in renamed.items()}
+    if which != "sb3" or told & {"done", "terminated", "truncated"}:
+        return ""
+    if source.get(done) != "dones" or source.get(trunc) != "timeouts" or term in arrays:
+        return ""
+    dones = np.asarray(arrays[done]) != 0
+    timeouts = (np.asarray(arrays[trunc]) != 0).reshape(dones.shape)
+    if not timeouts.any():
+        return "timeouts never set: the episode ends are dones (SB3's and CleanRL's ways agree)"
+    outside = int((timeouts & ~dones).sum())
+    if not outside:
+        return (
+            "SB3 convention (dones = terminated | truncated, timeouts the truncations): "
+            "episode ends = dones"
+        )
+    arrays[term] = arrays.pop(done)
+    renamed["dones"] = term
+    return (
+        f"CleanRL convention (dones = terminations only: {outside} timeouts row(s) outside "
+        "dones): episode ends = dones | timeouts, terminations = dones & ~timeouts"
+    )
 
 
 def _done_as_data(arrays: dict, renamed: dict, shape: Shape, path: str) -> str:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,7 +106,12 @@ def dataset(source: Any, shape: Shape, tmp: str) -> tuple[Dataset, str, str | No
             )
         name = type(source).__name__
         shape = Shape("time_first", None, shape.keys)
-        return from_arrays(name, sb3_arrays(source), shape), name, "rb"
+        # A full buffer is read from pos, its oldest slot; its first rows may
+        # be reset rows whose done rows were overwritten (orphans, dropped).
+        ds = dataclasses.replace(
+            from_arrays(name, sb3_arrays(source), shape), wrapped=bool(source.full)
+        )
+        return ds, name, "rb"
     return from_buffer(source, tmp), buffer_name(source), None
 
 
