@@ -395,7 +395,7 @@ def _arrays(path: str, fmt: str, arrays: dict, shape: Shape | None = None) -> Da
     dims = _leading(arrays, shape, path)
     layout, why, undecided = "flat", "", None
     if dims == 2:
-        arrays, env, layout, why, undecided = _rectangle(arrays, shape)
+        arrays, env, layout, why, undecided = _rectangle(arrays, shape, path)
     elif shape.envs is not None:
         arrays = env_after_env(arrays, shape.envs, path)
         arrays, env, _ = flatten(arrays, time=1)
@@ -492,7 +492,9 @@ def _done_as_data(arrays: dict, renamed: dict, shape: Shape, path: str) -> str:
         raise InputError(
             f"{path}: {done} disagrees with {told} on {bad} row(s); a transition's done is "
             f"terminated | truncated. Fix: store {done} as their or, or store under another "
-            "name an array that means something else (whether a row starts an episode)."
+            "name an array that means something else (whether a row starts an episode), or "
+            f"read {done} alone as the episode ends: --done-key {done} (in Python "
+            f"keys={{'done': '{done}'}}, done_key=('next', 'done'))."
         )
     name = source.pop(done)
     arrays[name] = arrays.pop(done)
@@ -519,6 +521,8 @@ def _leading(arrays: dict, shape: Shape, path: str) -> int:
     """The number of leading dims every array shares: 1 (rows) or 2 (a rectangle)."""
     flag = next(a for k, a in arrays.items() if k in [ROLE_KEYS[r] for r in FLAG_ROLES])
     dims = flag.ndim - 1 if flag.ndim > 1 and flag.shape[-1] == 1 else flag.ndim
+    if shape.layout is not None and dims != (1 if shape.layout == "flat" else 2):
+        raise _contradicted(arrays, shape, dims, list(flag.shape), path)
     if shape.layout == "flat":
         dims = 1
     elif shape.layout is not None:
@@ -539,18 +543,68 @@ def _leading(arrays: dict, shape: Shape, path: str) -> int:
     return dims
 
 
-def _rectangle(arrays: dict, shape: Shape) -> tuple:
-    """``[A, B]`` arrays as flat rows with each row's env, the layout told or found."""
-    if shape.layout is not None:
-        time, why, undecided = (0 if shape.layout == "time_first" else 1), "as told", None
+def _evidence(arrays: dict) -> tuple[int | None, str]:
+    """The time axis of ``[A, B]`` arrays as their chains show it, and why (see ``time_axis``)."""
+    done = np.zeros(next(iter(arrays.values())).shape[:2], np.bool_)
+    for r in FLAG_ROLES:
+        if ROLE_KEYS[r] in arrays:
+            done |= arrays[ROLE_KEYS[r]].reshape(done.shape)
+    obs, next_obs = obs_pair(arrays)
+    return time_axis(arrays[obs], arrays[next_obs], done)
+
+
+def _flag(layout: str) -> str:
+    return f"--layout {layout} (layout={layout!r})"
+
+
+def _contradicted(arrays: dict, shape: Shape, dims: int, flag: list, path: str) -> InputError:
+    """The error for a declared layout whose leading dims the done flags contradict.
+
+    ``flat`` on ``[A, B]`` flags (a rectangle read as rows would give each
+    row ``B`` flags), or ``time_first`` / ``time_last`` on ``[N]`` flags.
+    The message names the layout the data points to.
+    """
+    told = _flag(shape.layout)
+    if dims == 1:
+        return InputError(
+            f"{path}: {told} says the arrays are a rectangle [T, E] / [E, T], but the done "
+            f"flags have shape {flag}, one flag per row: the data is flat rows. Pass "
+            f"{_flag('flat')} (with --envs N / envs=N if N envs' rows come one env after the "
+            "other), or leave the layout out to read it from the data."
+        )
+    time, why = _evidence(arrays) if dims == 2 else (None, "")
+    if time is None:
+        points = "a rectangle: --layout time_first or time_last (layout=...)"
+        points += f"; the chains do not tell which ({why})" if why else ""
     else:
-        done = np.zeros(next(iter(arrays.values())).shape[:2], np.bool_)
-        for r in FLAG_ROLES:
-            if ROLE_KEYS[r] in arrays:
-                done |= arrays[ROLE_KEYS[r]].reshape(done.shape)
-        obs, next_obs = obs_pair(arrays)
-        time, why = time_axis(arrays[obs], arrays[next_obs], done)
-        undecided = None if time is not None else f"the time axis: {why}"
+        layout = ("time_first", "time_last")[time]
+        points = f"{'[T, E]' if time == 0 else '[E, T]'} arrays ({why}): pass {_flag(layout)}"
+    return InputError(
+        f"{path}: {told} says one row per entry of the first axis, but the done flags have "
+        f"shape {flag}: the data contradicts it. It reads as {points}, or leave the layout "
+        "out to read it from the data."
+    )
+
+
+def _rectangle(arrays: dict, shape: Shape, path: str = "") -> tuple:
+    """``[A, B]`` arrays as flat rows with each row's env, the layout told or found.
+
+    A told layout is checked against the chains: where they run along the
+    other axis, the error names the layout they point to.
+    """
+    time, why = _evidence(arrays)
+    undecided = None if time is not None else f"the time axis: {why}"
+    if shape.layout is not None:
+        told = 0 if shape.layout == "time_first" else 1
+        if time is not None and time != told:
+            layout = ("time_first", "time_last")[time]
+            raise InputError(
+                f"{path}: {_flag(shape.layout)} says time runs along axis {told}, but the "
+                f"data contradicts it: {why}, so time runs along axis {time}: the arrays are "
+                f"{'[T, E]' if time == 0 else '[E, T]'}. Pass {_flag(layout)}, or leave the "
+                "layout out to read it from the data."
+            )
+        time, why, undecided = told, "as told" if time is None else f"as told; {why}", None
     rows, env, _ = flatten(arrays, 0 if time is None else time)
     layout = None if time is None else ("time_first", "time_last")[time]
     return rows, env, layout, why, undecided

@@ -17,6 +17,7 @@ from cleanbuf.online import _publish, _writes
 from cleanbuf.online._base import OnlineCleaner
 from cleanbuf.online._compat import calling_replay_buffer
 from cleanbuf.online._copies import CopyStates
+from cleanbuf.online._first_write import check_late_attachment, check_orientation
 from cleanbuf.online._losses import LOST_KEY, LostObservations
 from cleanbuf.online._ray import flush_buffer_actor, in_ray_actor, is_ray_buffer
 from cleanbuf.online._storage import check_storage, is_storage_init
@@ -279,6 +280,11 @@ class AutoresetFilter(OnlineCleaner, Transform):
         if not self._storage_checked:
             rb = calling_replay_buffer()
             check_storage(rb)
+            # Once, at the first write: a [T, E] batch where [E, T] is read, and
+            # a buffer that already holds rows this filter did not write.
+            check_orientation(tensordict, self.options.layout, self.options.done_key)
+            fresh = self._copies is None and not self._engine.count("rows_in")
+            check_late_attachment(rb, fresh and not is_storage_init(tensordict))
             self._buffer = None if rb is None else weakref.ref(rb)
             self._storage_checked = True  # once per process: a frame walk is not free
         if self._in_ray_actor is None:
