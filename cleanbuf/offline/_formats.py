@@ -282,13 +282,16 @@ def _dump(path: str) -> Dataset:
     capacity = int(data.shape[0])
     stored = os.path.join(storage_dir, "storage_metadata.json")
     length = _int_entry(_json(stored), "len", stored, capacity, "the slots filled")
-    if length > capacity:
+    two_d = data.batch_dims == 2 and not length % max(int(data.shape[-1]), 1)
+    if length > capacity and not (two_d and length // data.shape[-1] <= capacity):
         raise InputError(
             f"{stored}: 'len' is {length}, more than the {capacity} slots of the storage: the "
             "file does not belong to this storage. Dump the buffer again (rb.dumps)."
         )
     writer = os.path.join(path, "writer", "metadata.json")
     meta = _json(writer) if os.path.exists(writer) else {}
+    if length > capacity and data.batch_dims == 2 and not length % data.shape[1]:
+        return _dump_2d(path, data, length // data.shape[1], meta, writer)
     where = "the slot the next write goes to, so where the oldest row is"
     cursor = _int_entry(meta, "cursor", writer, length, where) % max(capacity, 1)
     written = _int_entry(meta, "write_count", writer, length, "the rows ever written")
@@ -298,6 +301,27 @@ def _dump(path: str) -> Dataset:
     else:
         data, order = data[:length], np.arange(length)  # a view: the filled slots
     return Dataset(DUMP, path, data, order, capacity, wrapped)
+
+
+def _dump_2d(path: str, data: TensorDictBase, steps: int, meta: dict, writer: str) -> Dataset:
+    """A dump of a storage built with ``ndim=2``: ``[time slots, envs]``, read as ``[T, E]``.
+
+    TorchRL writes an ``[E, T]`` batch into such a storage along its first
+    dimension (time), one env per column; ``len`` counts elements, the
+    writer's cursor and count time slots. The filled slots, oldest first
+    (from the cursor once it wrapped), are read as a ``time_first``
+    rectangle, its layout checked against the chains as any told layout.
+    """
+    capacity = int(data.shape[0])
+    where = "the time slot the next write goes to, so where the oldest step is"
+    cursor = _int_entry(meta, "cursor", writer, steps, where) % max(capacity, 1)
+    written = _int_entry(meta, "write_count", writer, steps, "the time steps ever written")
+    wrapped = steps == capacity and written > capacity
+    order = np.r_[cursor:capacity, 0:cursor] if wrapped else np.arange(steps)
+    rect = data[torch.as_tensor(order)]
+    ds = from_tensordict(path, DUMP, rect, Shape("time_first"))
+    why = f"a storage of ndim=2 ([time, env] slots); {ds.layout_why}"
+    return dataclasses.replace(ds, wrapped=wrapped, layout_why=why)
 
 
 def _npz(path: str, shape: Shape) -> Dataset:
@@ -380,6 +404,11 @@ def _arrays(path: str, fmt: str, arrays: dict, shape: Shape | None = None) -> Da
         raise InputError(
             f"{path}: the arrays have different numbers of rows {n}; every array must hold "
             "one entry per transition."
+        )
+    if not any(n.values()):
+        raise InputError(
+            f"{path} holds 0 rows (every array is empty: {sorted(arrays)}): nothing to audit "
+            "or clean."
         )
     which, renamed = roles(list(arrays), shape.keys)
     arrays = {renamed.get(name, name): a for name, a in arrays.items()}
@@ -664,7 +693,8 @@ def read(path: str, shape: Shape | None = None) -> Dataset:
         raise InputError(f"{path} does not exist.")
     if os.path.isdir(path):
         if os.path.isdir(os.path.join(path, "storage")):
-            return dataclasses.replace(_dump(path), **_marked(path))
+            ds, marked = _dump(path), _marked(path)
+            return ds if marked["env"] is None else dataclasses.replace(ds, **marked)
         if os.path.exists(os.path.join(path, "meta.json")):
             data = _load_memmap(path)
             if data.batch_dims > 1 or shape != Shape() or not _torchrl_named(data):
@@ -739,6 +769,11 @@ def from_buffer(rb: Any, tmp: str) -> Dataset:
 
     if not isinstance(rb, ReplayBuffer):
         rb = ReplayBuffer(storage=rb)  # a storage: rows in slot order, none overwritten
+    if not getattr(rb.storage, "initialized", True) or not len(rb.storage):
+        raise InputError(
+            f"{type(rb).__name__}({type(rb.storage).__name__}) holds no rows (len 0): nothing "
+            "to audit or clean. Audit or clean a buffer once it holds rows."
+        )
     with warnings.catch_warnings():
         # A buffer filled by rb.loads has no last cursor: TorchRL warns that
         # its save hooks may shift rows wrongly. The dump read here uses no
