@@ -163,3 +163,39 @@ def test_cleaning_a_file_prints_no_torchrl_log_line(arrays, tmp_path, suffix):
 def _env() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return {**os.environ, "PYTHONPATH": root}
+
+
+def _filled_through_the_filter(shuffle_dirty: bool = False):
+    """A raw next-step loop (CartPole, 4 envs) into a buffer through the filter."""
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    from tests.loops import ENVS, run_loop
+
+    name, kwargs, policy = ENVS["CartPole-terminates"]
+    filt = cleanbuf.AutoresetFilter("next_step", layout="step")
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000), transform=filt)
+    venv, rows = run_loop(name, kwargs, policy, E, 100, gym.vector.AutoresetMode.NEXT_STEP, rb=rb)
+    venv.close()
+    filt.flush(rb)
+    return rb, rows
+
+
+def test_a_buffer_filled_through_the_filter_audits_clean():
+    """Bug caught: a buffer filled through the filter could not be audited
+    ("cannot tell" which env each row came from: the filter's rows come in
+    no fixed env order), so users could not check the filter's own output.
+    Now each done row's next observation is looked up among the rows'
+    observations: clean, with the ends counted. The same loop's raw rows,
+    shuffled into no env order, are never called clean.
+    """
+    import torch
+
+    rb, rows = _filled_through_the_filter()
+    report = cleanbuf.audit(rb)
+    assert report.clean and report.status == 0, str(report)
+    assert report.linked and report.episodes > 10 and report.confidence == "high", str(report)
+    assert "linked by content" in str(report)
+    raw = torch.cat(rows)
+    shuffled = raw[torch.randperm(len(raw), generator=torch.Generator().manual_seed(0))]
+    dirty = cleanbuf.audit(shuffled.exclude("env_id"))
+    assert not dirty.clean and dirty.status == 3, str(dirty)
