@@ -126,6 +126,10 @@ def test_sb3_buffer_cleans_to_the_explicit_reset_run(runs, way, fill):
     assert convention in str(report), str(report)
     assert ("wrapped" in str(report)) == (fill != "part"), str(report)
     out, stats = cleanbuf.clean(rb, return_stats=True)
+    assert isinstance(out, dict) and isinstance(out["observations"], np.ndarray)
+    assert (
+        "``clean(sb3_buffer)``                   a dict of numpy arrays" in cleanbuf.clean.__doc__
+    )
     if fill == "wrapped":
         assert rb.rewards[rb.pos, 0] == 0 and not rb.dones[rb.pos - 1, 0], "precondition"
         assert stats["orphan_reset_rows"] >= 1, stats

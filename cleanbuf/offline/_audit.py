@@ -465,7 +465,8 @@ def audit(
             obs, next_obs, action, reward, done, terminated, truncated).
 
     Returns:
-        The report: ``print(report)``, ``report.to_dict()``, ``report.clean``
+        The report (a :class:`cleanbuf.offline.Report`): ``print(report)``,
+        ``report.to_dict()``, ``report.command()`` (the fix), ``report.clean``
         (False when it found artifacts or cannot tell: ``report.undecided``).
 
     Raises:

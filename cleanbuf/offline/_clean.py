@@ -63,6 +63,10 @@ def clean(
     ``clean(rb)``, ``clean(path)``          a TensorDict of flat rows
     ``clean(dict_of_arrays)``               a dict of the same kind of arrays, same
                                             key style (nested, tuple or ``"a/b"``)
+    ``clean(sb3_buffer)``                   a dict of numpy arrays under SB3's names
+                                            (``"observations"``, ...), flat rows
+    ``clean(data_of_0_rows)``               the data's keys, no row (a dict, or a
+                                            TensorDict of flat rows)
     ``clean(..., return_stats=True)``       ``(rows, stats)``, rows as above
     ``clean(path, dst=DST)``                the stats (the rows are written to DST)
     ======================================  ==========================================
