@@ -108,9 +108,9 @@ def dataset(source: Any, shape: Shape, tmp: str) -> tuple[Dataset, str, str | No
         shape = Shape("time_first", None, shape.keys)
         # A full buffer is read from pos, its oldest slot; its first rows may
         # be reset rows whose done rows were overwritten (orphans, dropped).
-        ds = dataclasses.replace(
-            from_arrays(name, sb3_arrays(source), shape), wrapped=bool(source.full)
-        )
+        ds = from_arrays(name, sb3_arrays(source), shape)
+        why = ds.layout_why.replace("as told", "[buffer_size, n_envs] by construction", 1)
+        ds = dataclasses.replace(ds, wrapped=bool(source.full), layout_why=why)
         return ds, name, "rb"
     from torchrl.data import ReplayBuffer
     from torchrl.data.replay_buffers.storages import Storage
