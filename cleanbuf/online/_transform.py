@@ -34,8 +34,12 @@ class AutoresetFilter(OnlineCleaner, Transform):
     it, each same-step done row given its final observation, ``is_init`` and
     the step counts fixed. ``rb.sample()`` is untouched and the collector
     does not change. A done row whose terminal observation comes with the
-    next call waits for it: call :meth:`flush` at the end of collection.
-    Any error leaves the filter and the buffer as they were. The rules, one
+    next call waits for it: call :meth:`flush` at the end of collection (a
+    forgotten one is said when the filter is collected, or at interpreter
+    exit). Its first write refuses a ``[T, E]`` batch where ``[E, T]`` is
+    read, and warns when the buffer already holds rows it did not write
+    (``rows = cleanbuf.clean(rb)`` cleans those). Any error leaves the
+    filter and the buffer as they were. The rules, one
     by one (modes, joint resets, observation-only data, streams across
     calls, batch-end marks, processes, Ray, failures), are in the guide
     ``docs/rules.md``; each option in full in :class:`cleanbuf.Options`.
