@@ -199,3 +199,18 @@ def test_a_buffer_filled_through_the_filter_audits_clean():
     shuffled = raw[torch.randperm(len(raw), generator=torch.Generator().manual_seed(0))]
     dirty = cleanbuf.audit(shuffled.exclude("env_id"))
     assert not dirty.clean and dirty.status == 3, str(dirty)
+
+
+@pytest.mark.parametrize("told", ["time_first", "time_last"])
+def test_a_rectangle_layout_on_flat_rows_is_said(arrays, tmp_path, capsys, told):
+    """Flat rows (the loop's steps appended one after the other) audited as
+    a rectangle. Bug caught: the error said only that the arrays' leading
+    dims differ, not that the data is flat rows nor which layout to give.
+    """
+    flat = {k: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for k, a in arrays[0].items()}
+    flat["next/done"] = flat["next/done"].reshape(-1)
+    path = _save(tmp_path, "rows.npz", flat)
+    assert main(["audit", path, "--layout", told]) == 2
+    err = capsys.readouterr().err
+    assert "the data is flat rows" in err and "--layout flat" in err, err
+    assert main(["audit", path]) == 1  # read from the data, it is audited

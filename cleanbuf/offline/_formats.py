@@ -550,7 +550,7 @@ def _leading(arrays: dict, shape: Shape, path: str) -> int:
     """The number of leading dims every array shares: 1 (rows) or 2 (a rectangle)."""
     flag = next(a for k, a in arrays.items() if k in [ROLE_KEYS[r] for r in FLAG_ROLES])
     dims = flag.ndim - 1 if flag.ndim > 1 and flag.shape[-1] == 1 else flag.ndim
-    if shape.layout is not None and dims != (1 if shape.layout == "flat" else 2):
+    if shape.layout is not None and dims in (1, 2) and dims != (shape.layout != "flat") + 1:
         raise _contradicted(arrays, shape, dims, list(flag.shape), path)
     if shape.layout == "flat":
         dims = 1
@@ -601,10 +601,9 @@ def _contradicted(arrays: dict, shape: Shape, dims: int, flag: list, path: str) 
             f"{_flag('flat')} (with --envs N / envs=N if N envs' rows come one env after the "
             "other), or leave the layout out to read it from the data."
         )
-    time, why = _evidence(arrays) if dims == 2 else (None, "")
+    time, why = _evidence(arrays)
     if time is None:
-        points = "a rectangle: --layout time_first or time_last (layout=...)"
-        points += f"; the chains do not tell which ({why})" if why else ""
+        points = f"a rectangle: --layout time_first or time_last (layout=...); {why}"
     else:
         layout = ("time_first", "time_last")[time]
         points = f"{'[T, E]' if time == 0 else '[E, T]'} arrays ({why}): pass {_flag(layout)}"
