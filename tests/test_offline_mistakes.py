@@ -195,6 +195,7 @@ def test_a_buffer_filled_through_the_filter_audits_clean():
     assert report.clean and report.status == 0, str(report)
     assert report.linked and report.episodes > 10 and report.confidence == "high", str(report)
     assert "linked by content" in str(report)
+    assert report.to_dict()["command"] is None  # no env order to clean by: no fix offered
     raw = torch.cat(rows)
     shuffled = raw[torch.randperm(len(raw), generator=torch.Generator().manual_seed(0))]
     dirty = cleanbuf.audit(shuffled.exclude("env_id"))

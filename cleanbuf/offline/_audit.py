@@ -233,7 +233,8 @@ class Report:
             lost=self.lost,
             clean=self.clean,
             status=self.status,
-            command=None if self.undecided else self.command(),
+            # (rows linked by content have no env order to clean by)
+            command=None if self.undecided or self.linked else self.command(),
         )
         return out
 

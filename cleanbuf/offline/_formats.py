@@ -474,7 +474,10 @@ def _sb3_convention(arrays: dict, renamed: dict, which: str, shape: Shape) -> st
     dones = np.asarray(arrays[done]) != 0
     timeouts = (np.asarray(arrays[trunc]) != 0).reshape(dones.shape)
     if not timeouts.any():
-        return "timeouts never set: the episode ends are dones (SB3's and CleanRL's ways agree)"
+        return (
+            "timeouts never set: the episode ends are dones (SB3's and CleanRL's ways agree; "
+            "a buffer built with handle_timeout_termination=False stores no truncation)"
+        )
     outside = int((timeouts & ~dones).sum())
     if not outside:
         return (
