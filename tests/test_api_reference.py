@@ -17,7 +17,8 @@ def test_api_reference_builds_without_warnings(tmp_path):
     """Bugs caught: a public docstring Sphinx cannot read (a broken Args
     section, an unclosed literal, a bad cross-reference target), a public
     name that is gone from ``cleanbuf`` while the reference still names it,
-    and a reference that no longer shows ``AutoresetFilter``'s docstring.
+    and a reference that no longer shows ``AutoresetFilter``'s docstring, or
+    leaves out the report ``audit()`` returns (and ``report.command()``).
     """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -41,4 +42,7 @@ def test_api_reference_builds_without_warnings(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     page = (build / "index.html").read_text()
     for name in ("AutoresetFilter", "RolloutRepair", "step_rows", "audit", "ContinuityError"):
+        assert f'id="cleanbuf.{name}"' in page, name
+    # what audit() returns, and report.command() the guides use
+    for name in ("offline.Report", "offline.Report.command", "offline.Report.clean"):
         assert f'id="cleanbuf.{name}"' in page, name

@@ -432,15 +432,22 @@ CASES = [
     Case(
         "a [T, E] batch",
         _feed(lambda b: b.transpose(0, 1).contiguous()),
-        clear(LayoutError, "This batch looks time-first [T, E]", "transpose(0, 1)"),
+        clear(LayoutError, "This batch looks time-first [T, E]", "transpose(0, 1)", "dim=0"),
         bug="unclear: an axis-order mistake reported as changed streams",
     ),
     Case(
         "a [T, E] batch on the first call",
         _feed(lambda b: b.transpose(0, 1).contiguous()),
-        clear(ResetRowError, "This batch looks time-first [T, E]", "transpose"),
+        clear(LayoutError, "looks time-first", "torch.stack(rows, dim=1)", "layout='time_first'"),
         at=0,
-        bug="unclear: an axis-order mistake reported as the wrong mode",
+        bug="unclear: an axis-order mistake reported as the wrong mode, stack not named",
+    ),
+    Case(
+        "a square [T, E] batch on the first call",
+        _feed(lambda b: b[:, :3].transpose(0, 1).contiguous()),
+        clear(LayoutError, "looks time-first, [T=3, E=3]", "torch.stack(rows, dim=1)"),
+        at=0,
+        bug="silently wrong: a square [T, E] first call stored unchecked, envs read as time",
     ),
     Case(
         "a fourth env appears",

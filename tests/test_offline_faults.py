@@ -360,6 +360,16 @@ def _bad_crc(src, path):
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
+def _no_rows(src, path):
+    if src.endswith(".npz"):
+        np.savez(path, **{k: a[:0] for k, a in np.load(src).items()})
+        return
+    with h5py.File(src, "r") as f, h5py.File(path, "w") as g:
+        f.visititems(
+            lambda k, v: g.create_dataset(k, data=v[:0]) if isinstance(v, h5py.Dataset) else None
+        )
+
+
 def _dump_with(relpath, text=None, remove=False):
     def make(src, path):
         shutil.copytree(src, path)
@@ -380,6 +390,8 @@ UNREADABLE = {
     "npy named npz": ("npz", ".npz", _npy, "is not a .npz file (a single .npy array;"),
     "object arrays npz": ("npz", ".npz", _objects, ": array 'observation' holds Python objects"),
     "bad CRC npz": ("npz", ".npz", _bad_crc, "is a damaged .npz file, truncated or corrupted (Bad"),
+    "0-row npz": ("npz", ".npz", _no_rows, " holds 0 rows (every array is empty: ["),
+    "0-row HDF5": ("h5", ".h5", _no_rows, " holds 0 rows (every array is empty: ["),
     "empty HDF5": ("h5", ".h5", _empty, "is empty (0 bytes), not an HDF5 file"),
     "random bytes HDF5": ("h5", ".h5", _random, "is not an HDF5 file (no HDF5 signature)"),
     "truncated HDF5": ("h5", ".h5", _truncated, "is a damaged HDF5 file, truncated or corrupted"),
@@ -439,3 +451,105 @@ def test_an_unreadable_file_is_one_line_naming_it(data, tmp_path, capsys, case):
     assert not os.path.exists(dst) and _leftovers(tmp_path) == []
     after = _digest(path) if os.path.isdir(path) else Path(path).read_bytes()
     assert after == before  # the source is never written
+
+
+# --- what is no data, or no row, in memory ---------------------------------------------
+
+
+def test_zero_rows_in_memory_keep_their_keys():
+    """Bug caught: ``clean(dict)`` of 0 rows returned an empty dict (the
+    keys gone) or ended in numpy's "cannot reshape array of size 0"; now
+    the result is empty with the source's keys, and stats of zeros.
+    """
+    nested = {
+        "observation": np.zeros((0, 4), np.float32),
+        "next": {
+            "observation": np.zeros((0, 4), np.float32),
+            "reward": np.zeros(0, np.float32),
+            "done": np.zeros(0, bool),
+        },
+    }
+    for layout in (None, "time_last", "flat"):
+        out, stats = cleanbuf.clean(nested, layout=layout, return_stats=True)
+        assert set(out) == {"observation", "next"} and set(out["next"]) == set(nested["next"])
+        assert out["next"]["observation"].shape == (0, 4) and stats["rows_out"] == 0
+    slash = {"obs": np.zeros((0, 3)), "next_obs": np.zeros((0, 3)), "rewards": np.zeros(0),
+             "dones": np.zeros(0, bool)}  # fmt: skip
+    assert set(cleanbuf.clean(slash)) == set(slash)
+    td = TensorDict({"observation": torch.zeros(4, 0, 2), ("next", "done"): torch.zeros(4, 0, 1)},
+                    [4, 0])  # fmt: skip
+    out = cleanbuf.clean(td)
+    assert out.batch_size == (0,) and set(out.keys(True, True)) == set(td.keys(True, True))
+
+
+NOT_DATA = {"an int": 42, "a string list": ["a", "b"], "None": None}
+
+
+@pytest.mark.parametrize("what", list(NOT_DATA))
+def test_what_is_no_data_is_one_line_naming_what_is(what):
+    """Bug caught: ``audit(42)`` ended in TorchRL's "storage must be either
+    a Storage or a callable", ``clean(42)`` in "use cleanbuf.clean() for
+    dicts of arrays" (said by clean itself). Now one line naming the kinds
+    of data cleanbuf reads.
+    """
+    for call in (audit, cleanbuf.clean):
+        with pytest.raises(InputError) as caught:
+            call(NOT_DATA[what])
+        message = str(caught.value)
+        assert message.startswith(f"got {type(NOT_DATA[what]).__name__}, which is no data")
+        assert "a TorchRL ReplayBuffer or storage" in message and "\n" not in message
+
+
+def test_an_empty_buffer_is_one_line():
+    """Bug caught: ``clean(ReplayBuffer(...))`` and ``audit`` of a buffer
+    that holds nothing ended in TorchRL's "Cannot save a non-initialized
+    storage".
+    """
+    for source in (ReplayBuffer(storage=LazyTensorStorage(10)), LazyTensorStorage(10)):
+        for call in (audit, cleanbuf.clean):
+            with pytest.raises(InputError, match=r"holds no rows \(len 0\): nothing to audit"):
+                call(source)
+
+
+def test_a_storage_of_two_dims_is_read_as_time_first():
+    """A real ``GymEnv("CartPole-v1", num_envs=4)`` collector's ``[E, T]``
+    batches extended into ``LazyTensorStorage(N, ndim=2)`` (TorchRL keeps
+    them as ``[time, env]`` slots), small enough to wrap. Bug caught: the
+    audit and the clean failed with "'len' is 64, more than the 16 slots
+    of the storage: the file does not belong to this storage". Now it is
+    read oldest step first, as ``time_first``, and cleans to what the
+    filter stores from the same steps.
+    """
+    _, batches = _collect()
+    data = torch.cat(batches, 1)  # [E, T]
+    steps = data.shape[1]
+    keep = steps - 16 - 4  # the storage's time slots: it wraps
+    rb = ReplayBuffer(storage=LazyTensorStorage(keep * 4, ndim=2))
+    for t in range(0, steps, 16):
+        rb.extend(data[:, t : t + 16])
+    assert rb.storage._storage.batch_size == (keep, 4)
+    report = audit(rb)
+    assert report.wrapped and report.layout == "time_first" and report.envs == 4, str(report)
+    assert report.rows == keep * 4 and report.status == 1, str(report)
+    rows = cleanbuf.clean(rb, mode="next_step", joint_reset=True)
+    want = cleanbuf.clean(data[:, steps - keep :].clone(), joint_reset=True)
+    assert len(rows) == len(want)
+    assert torch.equal(rows["observation"].sort(0).values, want["observation"].sort(0).values)
+
+
+def test_a_corrupt_repair_state_names_the_field():
+    """Bug caught: a ``RolloutRepair`` state with a field missing or of the
+    wrong kind ended in ``KeyError: 'held_kind'``, with the repair half
+    restored. Now a StateError names the field, and nothing changes.
+    """
+    state = cleanbuf.RolloutRepair("next_step").state_dict()
+    inner = state["_extra_state"]
+    broken = [(k, {kk: v for kk, v in inner.items() if kk != k}) for k in inner]
+    broken += [("held", {**inner, "held": [1, 2]}), ("stats", {**inner, "stats": "x"})]
+    broken += [("held_kind", {**inner, "held": {}})]  # a held column without its kinds
+    for field, bad in broken:
+        repair = cleanbuf.RolloutRepair("next_step")
+        before = repair.state_dict()
+        with pytest.raises(cleanbuf.StateError, match=f"state field '{field}'"):
+            repair.load_state_dict({"_extra_state": bad})
+        assert str(repair.state_dict()) == str(before), field

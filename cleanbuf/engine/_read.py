@@ -527,7 +527,8 @@ def time_first_hint(td: Any, options: Options) -> str:
     return (
         f"This batch looks time-first [T, E]: its rows continue along the first axis "
         f"(size {a}), not the last (size {b}), and the filter reads batches as [E, T] "
-        "(time last, as TorchRL collectors give them). Pass layout='time_first' "
+        "(time last, as TorchRL collectors give them; steps stacked with "
+        "torch.stack(rows, dim=0) are [T, E]: stack with dim=1). Pass layout='time_first' "
         "(AutoresetFilter(mode, layout='time_first')), or transpose it first "
         "(batch.transpose(0, 1)). If the batch is [E, T] after all:"
     )

@@ -40,7 +40,7 @@ from tensordict import TensorDictBase
 
 from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._compat import new_tensordict
-from cleanbuf.engine._errors import LayoutError
+from cleanbuf.engine._errors import LayoutError, StateError
 from cleanbuf.engine._kernels import RELEASED_AS_IS, RELEASED_LOST
 from cleanbuf.engine._keys import DONE_KEYS, done_flags, observation_keys
 from cleanbuf.engine._options import Options
@@ -351,7 +351,13 @@ class Rollouts:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores what :meth:`state_dict` returned."""
+        """Restores what :meth:`state_dict` returned.
+
+        Raises:
+            StateError: a field missing or of the wrong kind (named), checked
+                before anything changes.
+        """
+        check_rollout_state(state)
         self.cleaner.load_state_dict(state["cleaner"])
         held = state["held"]
         self._held = (
@@ -361,6 +367,56 @@ class Rollouts:
         )
         self._shape = None if state["shape"] is None else tuple(state["shape"])
         self._stats = dict.fromkeys(ROLLOUT_STATS, 0) | dict(state["stats"])
+
+
+ROLLOUT_FIELDS = {
+    "cleaner": "the cleaner's state (a dict)",
+    "held": "None or the held column (a dict of tensors)",
+    "held_kind": "None or a tensor (each held row's kind), with 'held'",
+    "shape": "None or the batch shape (a list of sizes)",
+    "stats": "the counters (a dict of numbers)",
+}
+
+
+def check_rollout_state(state: dict) -> None:
+    """Raises a :class:`~cleanbuf.StateError` naming the first field that is wrong.
+
+    Examples:
+        >>> check_rollout_state({"cleaner": {}, "held": None, "held_kind": None, "shape": None})
+        Traceback (most recent call last):
+        ...
+        cleanbuf.engine._errors.StateError: state field 'stats' is missing: expected the ...
+    """
+    for field, expected in ROLLOUT_FIELDS.items():
+        if field not in state:
+            raise _field_error(field, expected, "it is missing")
+    held, kind, shape = state["held"], state["held_kind"], state["shape"]
+    good = {
+        "cleaner": isinstance(state["cleaner"], dict),
+        "held": held is None
+        or (isinstance(held, dict) and all(isinstance(v, torch.Tensor) for v in held.values())),
+        "held_kind": (kind is None) == (held is None)
+        and (kind is None or (isinstance(kind, torch.Tensor) and kind.dim() == 1)),
+        "shape": shape is None
+        or (isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape)),
+        "stats": isinstance(state["stats"], dict)
+        and all(isinstance(v, (int, float)) for v in state["stats"].values()),
+    }
+    for field, ok in good.items():
+        if not ok:
+            got = type(state[field]).__name__
+            raise _field_error(field, ROLLOUT_FIELDS[field], f"got {got} {state[field]!r:.80}")
+
+
+def _field_error(field: str, expected: str, got: str) -> StateError:
+    if got == "it is missing":
+        head = f"state field {field!r} is missing: expected {expected}"
+    else:
+        head = f"state field {field!r}: expected {expected}, {got}"
+    return StateError(
+        f"{head}. The state is damaged or not one RolloutRepair.state_dict() returned: pass "
+        "what state_dict() returned, unchanged. Nothing was changed."
+    )
 
 
 def _copies(views: Views, keys, n: int) -> _Rows:

@@ -117,6 +117,10 @@ class Report:
             ``"time_last"``), with the evidence in ``layout_why``;
             name_set: the names its arrays use; shape: what the user said
             (the fix repeats it).
+        linked: the rows come in no env order (a filter's output): each
+            done row's next observation was looked up among every row's
+            observation, which shows a clean buffer clean; artifacts found
+            so leave the audit undecided (cleaning needs each row's env).
         joint_steps: done rows of steps where every env ended and the
             next step restarted every env (the evidence of joint resets).
         trailing: done rows with no row after them in their env (the end
@@ -152,6 +156,7 @@ class Report:
     shape: Shape = dataclasses.field(default_factory=Shape)
     joint_steps: int = 0
     trailing: int = 0
+    linked: bool = False
     python: str | None = None
     details: list = dataclasses.field(default_factory=list, repr=False)
 
@@ -228,7 +233,8 @@ class Report:
             lost=self.lost,
             clean=self.clean,
             status=self.status,
-            command=None if self.undecided else self.command(),
+            # (rows linked by content have no env order to clean by)
+            command=None if self.undecided or self.linked else self.command(),
         )
         return out
 
@@ -238,9 +244,18 @@ class Report:
         lines = [
             f"cleanbuf audit: {self.source} ({self.format})",
             f"  rows              {self.rows}"
-            + (f" (wrapped; {self.head} from a partly overwritten write)" if self.wrapped else ""),
+            + (
+                f" (wrapped; {self.head} from a partly overwritten write)"
+                if self.wrapped and self.head
+                else " (wrapped: read from the oldest row on)"
+                if self.wrapped
+                else ""
+            ),
             f"  streams           {self.envs} envs (each row's env stored by cleanbuf clean)"
             if self.env_stored
+            else "  streams           linked by content (rows in no env order: each done row's "
+            "next observation looked up among every row's observation)"
+            if self.linked
             else f"  streams           {self.envs} envs (from the layout)"
             if self.layout != "flat" or self.shape.envs is not None
             else f"  streams           {self.envs} envs, {self.steps} steps per env per write"
@@ -451,7 +466,8 @@ def audit(
             obs, next_obs, action, reward, done, terminated, truncated).
 
     Returns:
-        The report: ``print(report)``, ``report.to_dict()``, ``report.clean``
+        The report (a :class:`cleanbuf.offline.Report`): ``print(report)``,
+        ``report.to_dict()``, ``report.command()`` (the fix), ``report.clean``
         (False when it found artifacts or cannot tell: ``report.undecided``).
 
     Raises:
@@ -503,6 +519,9 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
     streams = recover(rows, ds.chunk, ds.wrapped) if env is None else stored(env)
     if not streams.found:
         why = "which env each row came from: the rows do not chain into runs of one env"
+        linked = _linked(rows, reward, done)
+        if linked is not None and not linked.get("artifacts"):
+            return Report(**{**base, **linked["found"]}), streams
         return Report(**base, undecided=why), streams
     per_env = stream_positions(streams, n)
     if all(len(p) < 2 for p in per_env):
@@ -540,6 +559,66 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
 
 
 DONE_KEYS = (("next", "done"), ("next", "terminated"), ("next", "truncated"))
+MAX_LINKED = 4_000_000  # rows linked by content at most (a dict of their observations' bytes)
+
+
+def _linked(rows: Rows, reward: np.ndarray, done: np.ndarray) -> dict | None:
+    """The episode ends checked by content, for rows in no env order found (None: too many).
+
+    Rows that the filter stored come in no fixed env order (its reset rows
+    dropped, its held rows written a call later), so no layout is found;
+    each done row's next observation is looked up among every row's
+    observation instead. Clean data stores the terminal state nowhere as
+    an observation; next-step data stores it as the reset row's (reward 0,
+    not done); same-step data's next observation is the next episode's
+    first one, another row's observation. Zero or NaN next observations
+    are read as everywhere else.
+
+    Returns:
+        ``{"found": report fields, "artifacts": count}``: the counts of the
+        episode ends; clean only where every end was checked and none is
+        an artifact (else the audit cannot tell: cleaning needs each
+        row's env).
+    """
+    n = rows.n
+    if n > MAX_LINKED or not n:
+        return None
+    index: dict[bytes, int] = {}
+    for lo in range(0, n, rows.block):
+        block = _flat(rows.obs(np.arange(lo, min(lo + rows.block, n))))
+        for i, row in enumerate(block):
+            index.setdefault(row.tobytes(), lo + i)
+    ends = np.flatnonzero(done)
+    nxt = _flat(rows.next_obs(ends))
+    nan = np.isnan(nxt).any(1) if nxt.dtype.kind == "f" else np.zeros(len(ends), bool)
+    zero = ~nan & (nxt == 0).all(1)
+    after = np.array([index.get(row.tobytes(), -1) for row in nxt], np.int64)
+    found = after >= 0
+    reset = np.zeros(len(ends), bool)
+    reset[found] = (reward[after[found]] == 0) & ~done[after[found]]
+    same = found & ~reset
+    others = ~done
+    others[after[reset]] = False
+    zero_rate = float(np.mean(reward[others] == 0)) if others.any() else 1.0
+    checked = int((~zero & ~nan).sum())
+    artifacts = int(reset.sum() + same.sum() + zero.sum())
+    confidence = "high" if checked >= 3 and zero_rate < 0.05 else "low"
+    why = (
+        f"{checked} episode ends checked by content: no done row's next observation is "
+        "stored as another row's observation (no reset row, no next episode's first one)"
+    )
+    return {
+        "artifacts": artifacts or (0 if checked else 1),
+        "found": dict(
+            layout_found=False,
+            linked=True,
+            mode="disabled",
+            confidence=confidence,
+            why=why,
+            episodes=len(ends),
+            next_obs_nan=int(nan.sum()),
+        ),
+    }
 
 
 def _base(ds: Dataset, n: int) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import tempfile
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from tensordict import NestedKey, TensorDictBase
 
-from cleanbuf.engine._cleaner import Cleaner
+from cleanbuf.engine._cleaner import STAT_NAMES, Cleaner
 from cleanbuf.engine._dicts import slash_named, to_dict, to_tensordict
 from cleanbuf.engine._errors import CleanbufWarning, InputError, lost_message, user_stacklevel
 from cleanbuf.engine._options import Options, keyword_names, refuse_unknown
@@ -62,6 +63,10 @@ def clean(
     ``clean(rb)``, ``clean(path)``          a TensorDict of flat rows
     ``clean(dict_of_arrays)``               a dict of the same kind of arrays, same
                                             key style (nested, tuple or ``"a/b"``)
+    ``clean(sb3_buffer)``                   a dict of numpy arrays under SB3's names
+                                            (``"observations"``, ...), flat rows
+    ``clean(data_of_0_rows)``               the data's keys, no row (a dict, or a
+                                            TensorDict of flat rows)
     ``clean(..., return_stats=True)``       ``(rows, stats)``, rows as above
     ``clean(path, dst=DST)``                the stats (the rows are written to DST)
     ======================================  ==========================================
@@ -141,6 +146,9 @@ def clean(
     """
     unknown = refuse_unknown(unknown, keyword_names(clean)[1:], "clean()")
     options = {**_chosen(locals()), **unknown}
+    empty = _no_rows(data)
+    if empty is not None:  # nothing to clean: the source's keys, no row
+        return (empty, dict.fromkeys(STAT_NAMES, 0)) if return_stats else empty
     stored = _stored(data, dst, options)
     if stored is not None:
         if dst is not None:
@@ -150,6 +158,10 @@ def clean(
         out, stats = _clean_arrays(data, options)
         return (out, stats) if return_stats else out
     as_dict = isinstance(data, Mapping) and not isinstance(data, TensorDictBase)
+    if not as_dict and not isinstance(data, TensorDictBase):
+        from cleanbuf.offline._sources import not_data
+
+        raise InputError(not_data(data))
     if as_dict:
         td, as_numpy = to_tensordict(data, "clean()", batch_dims, takes_batch_dims=True)
     else:
@@ -162,6 +174,37 @@ def clean(
         out = torch.cat([out, rest])
     out = to_dict(out, as_numpy, slash_named(data)) if as_dict else out
     return (out, cleaner.stats) if return_stats else out
+
+
+def _no_rows(data: Any) -> Any:
+    """Data of 0 rows as the empty result it cleans to (its keys kept); None otherwise.
+
+    A TensorDict with a zero batch dimension comes back as 0 flat rows; a
+    dict whose arrays are all empty, as a copy of itself.
+
+    Examples:
+        >>> import numpy as np
+        >>> _no_rows({"obs": np.zeros((0, 3)), "next": {"done": np.zeros(0, bool)}})
+        {'obs': array([], shape=(0, 3), dtype=float64), 'next': {'done': array([], dtype=bool)}}
+    """
+    if isinstance(data, TensorDictBase):
+        if not data.batch_dims or data.batch_size.numel():
+            return None
+        return data.flatten(0, data.batch_dims - 1).clone() if data.batch_dims > 1 else data.clone()
+    if not isinstance(data, Mapping) or not data:
+        return None
+    leaves = list(_leaf_values(data))
+    if not leaves or any(not hasattr(a, "shape") or not len(a.shape) or a.shape[0] for a in leaves):
+        return None
+    return copy.deepcopy(data)
+
+
+def _leaf_values(data: Mapping):
+    for value in data.values():
+        if isinstance(value, Mapping):
+            yield from _leaf_values(value)
+        else:
+            yield value
 
 
 def _warn_lost(cleaner: Cleaner) -> None:

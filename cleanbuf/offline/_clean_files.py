@@ -33,6 +33,7 @@ from cleanbuf.offline._formats import (
     Dataset,
     Shape,
     Writer,
+    done_of,
     output_format,
     read,
 )
@@ -395,7 +396,8 @@ def _orphans(ds: Dataset, report: Report, positions: list) -> np.ndarray:
         if not len(pos):
             continue
         row = ds.rows(pos[:1])
-        done = row.get(("next", "done"), row.get(("next", "terminated"), None))
+        keys = {_tuple(k) for k in row.keys(True, True)}
+        done = done_of(keys, lambda k, row=row: row.get(k).numpy(), 1)  # or of the flags
         if float(row["next", "reward"].reshape(-1)[0]) == 0 and not bool(done.any()):
             out.append(int(pos[0]))
     return np.asarray(out, np.int64)

@@ -329,13 +329,16 @@ def _dump(path: str) -> Dataset:
     capacity = int(data.shape[0])
     stored = os.path.join(storage_dir, "storage_metadata.json")
     length = _int_entry(_json(stored), "len", stored, capacity, "the slots filled")
-    if length > capacity:
+    two_d = data.batch_dims == 2 and not length % max(int(data.shape[-1]), 1)
+    if length > capacity and not (two_d and length // data.shape[-1] <= capacity):
         raise InputError(
             f"{stored}: 'len' is {length}, more than the {capacity} slots of the storage: the "
             "file does not belong to this storage. Dump the buffer again (rb.dumps)."
         )
     writer = os.path.join(path, "writer", "metadata.json")
     meta = _json(writer) if os.path.exists(writer) else {}
+    if length > capacity and data.batch_dims == 2 and not length % data.shape[1]:
+        return _dump_2d(path, data, length // data.shape[1], meta, writer)
     where = "the slot the next write goes to, so where the oldest row is"
     cursor = _int_entry(meta, "cursor", writer, length, where) % max(capacity, 1)
     written = _int_entry(meta, "write_count", writer, length, "the rows ever written")
@@ -345,6 +348,27 @@ def _dump(path: str) -> Dataset:
     else:
         data, order = data[:length], np.arange(length)  # a view: the filled slots
     return Dataset(DUMP, path, data, order, capacity, wrapped)
+
+
+def _dump_2d(path: str, data: TensorDictBase, steps: int, meta: dict, writer: str) -> Dataset:
+    """A dump of a storage built with ``ndim=2``: ``[time slots, envs]``, read as ``[T, E]``.
+
+    TorchRL writes an ``[E, T]`` batch into such a storage along its first
+    dimension (time), one env per column; ``len`` counts elements, the
+    writer's cursor and count time slots. The filled slots, oldest first
+    (from the cursor once it wrapped), are read as a ``time_first``
+    rectangle, its layout checked against the chains as any told layout.
+    """
+    capacity = int(data.shape[0])
+    where = "the time slot the next write goes to, so where the oldest step is"
+    cursor = _int_entry(meta, "cursor", writer, steps, where) % max(capacity, 1)
+    written = _int_entry(meta, "write_count", writer, steps, "the time steps ever written")
+    wrapped = steps == capacity and written > capacity
+    order = np.r_[cursor:capacity, 0:cursor] if wrapped else np.arange(steps)
+    rect = data[torch.as_tensor(order)]
+    ds = from_tensordict(path, DUMP, rect, Shape("time_first"))
+    why = f"a storage of ndim=2 ([time, env] slots); {ds.layout_why}"
+    return dataclasses.replace(ds, wrapped=wrapped, layout_why=why)
 
 
 def _npz(path: str, shape: Shape) -> Dataset:
@@ -428,10 +452,16 @@ def _arrays(path: str, fmt: str, arrays: dict, shape: Shape | None = None) -> Da
             f"{path}: the arrays have different numbers of rows {n}; every array must hold "
             "one entry per transition."
         )
+    if not any(n.values()):
+        raise InputError(
+            f"{path} holds 0 rows (every array is empty: {sorted(arrays)}): nothing to audit "
+            "or clean."
+        )
     which, renamed = roles(list(arrays), shape.keys)
     arrays = {renamed.get(name, name): a for name, a in arrays.items()}
     need(set(arrays), path, renamed)
-    note = _done_as_data(arrays, renamed, shape, path)
+    convention = _sb3_convention(arrays, renamed, which, shape)
+    note = "; ".join(filter(None, [convention, _done_as_data(arrays, renamed, shape, path)]))
     names = {_tuple(tuple(k.split("/"))): src for src, k in renamed.items()}
     casts = {}
     for name in [ROLE_KEYS[r] for r in FLAG_ROLES if ROLE_KEYS[r] in arrays]:
@@ -441,7 +471,7 @@ def _arrays(path: str, fmt: str, arrays: dict, shape: Shape | None = None) -> Da
     dims = _leading(arrays, shape, path)
     layout, why, undecided = "flat", "", None
     if dims == 2:
-        arrays, env, layout, why, undecided = _rectangle(arrays, shape)
+        arrays, env, layout, why, undecided = _rectangle(arrays, shape, path)
     elif shape.envs is not None:
         arrays = env_after_env(arrays, shape.envs, path)
         arrays, env, _ = flatten(arrays, time=1)
@@ -455,6 +485,58 @@ def _arrays(path: str, fmt: str, arrays: dict, shape: Shape | None = None) -> Da
         names=names, casts=casts, layout=layout, layout_why=why, undecided=undecided,
         name_set=which, shape=shape,
     )  # fmt: skip
+
+
+def _sb3_convention(arrays: dict, renamed: dict, which: str, shape: Shape) -> str:
+    """Reads Stable-Baselines3's ``dones`` / ``timeouts`` by the convention that filled them.
+
+    SB3's own algorithms store ``dones = terminated | truncated`` and the
+    truncations again in ``timeouts``; CleanRL's DQN / SAC / TD3 call
+    ``rb.add(..., terminations, infos)``, so ``dones`` holds the
+    terminations only and ``timeouts`` (from the infos'
+    ``TimeLimit.truncated``) the truncations. Either way an episode ends at
+    ``dones | timeouts`` and terminates at ``dones & ~timeouts``. A
+    ``timeouts`` row outside ``dones`` happens only in CleanRL's
+    convention: ``dones`` is then read as the terminations (and written
+    back under its name), so the episode ends are their or.
+
+    Returns:
+        The note for the report: the convention found.
+
+    Examples:
+        >>> arrays = {"next/done": np.array([1, 0, 0.0]), "next/truncated": np.array([0, 1, 0.0])}
+        >>> renamed = {"dones": "next/done", "timeouts": "next/truncated"}
+        >>> _sb3_convention(arrays, renamed, "sb3", Shape())[:32]
+        'CleanRL convention (dones = term'
+        >>> sorted(arrays), renamed["dones"]
+        (['next/terminated', 'next/truncated'], 'next/terminated')
+    """
+    done, term, trunc = (ROLE_KEYS[r] for r in ("done", "terminated", "truncated"))
+    told = set(shape.keys or {})
+    source = {v: k for k, v in renamed.items()}
+    if which != "sb3" or told & {"done", "terminated", "truncated"}:
+        return ""
+    if source.get(done) != "dones" or source.get(trunc) != "timeouts" or term in arrays:
+        return ""
+    dones = np.asarray(arrays[done]) != 0
+    timeouts = (np.asarray(arrays[trunc]) != 0).reshape(dones.shape)
+    if not timeouts.any():
+        return (
+            "timeouts never set: the episode ends are dones (SB3's and CleanRL's ways agree; "
+            "a buffer built with handle_timeout_termination=False stores no truncation)"
+        )
+    outside = int((timeouts & ~dones).sum())
+    if not outside:
+        return (
+            "SB3 convention (dones = terminated | truncated, timeouts the truncations): "
+            "episode ends = dones"
+        )
+    arrays[term] = arrays.pop(done)
+    renamed["dones"] = term
+    return (
+        f"CleanRL convention (dones = terminations only: {outside} timeouts row(s) outside "
+        "dones): episode ends = dones | timeouts, terminations = dones & ~timeouts"
+    )
 
 
 def _done_as_data(arrays: dict, renamed: dict, shape: Shape, path: str) -> str:
@@ -489,7 +571,9 @@ def _done_as_data(arrays: dict, renamed: dict, shape: Shape, path: str) -> str:
         raise InputError(
             f"{path}: {done} disagrees with {told} on {bad} row(s); a transition's done is "
             f"terminated | truncated. Fix: store {done} as their or, or store under another "
-            "name an array that means something else (whether a row starts an episode)."
+            "name an array that means something else (whether a row starts an episode), or "
+            f"read {done} alone as the episode ends: --done-key {done} (in Python "
+            f"keys={{'done': '{done}'}}, done_key=('next', 'done'))."
         )
     name = source.pop(done)
     arrays[name] = arrays.pop(done)
@@ -516,6 +600,8 @@ def _leading(arrays: dict, shape: Shape, path: str) -> int:
     """The number of leading dims every array shares: 1 (rows) or 2 (a rectangle)."""
     flag = next(a for k, a in arrays.items() if k in [ROLE_KEYS[r] for r in FLAG_ROLES])
     dims = flag.ndim - 1 if flag.ndim > 1 and flag.shape[-1] == 1 else flag.ndim
+    if shape.layout is not None and dims in (1, 2) and dims != (shape.layout != "flat") + 1:
+        raise _contradicted(arrays, shape, dims, list(flag.shape), path)
     if shape.layout == "flat":
         dims = 1
     elif shape.layout is not None:
@@ -536,18 +622,67 @@ def _leading(arrays: dict, shape: Shape, path: str) -> int:
     return dims
 
 
-def _rectangle(arrays: dict, shape: Shape) -> tuple:
-    """``[A, B]`` arrays as flat rows with each row's env, the layout told or found."""
-    if shape.layout is not None:
-        time, why, undecided = (0 if shape.layout == "time_first" else 1), "as told", None
+def _evidence(arrays: dict) -> tuple[int | None, str]:
+    """The time axis of ``[A, B]`` arrays as their chains show it, and why (see ``time_axis``)."""
+    done = np.zeros(next(iter(arrays.values())).shape[:2], np.bool_)
+    for r in FLAG_ROLES:
+        if ROLE_KEYS[r] in arrays:
+            done |= arrays[ROLE_KEYS[r]].reshape(done.shape)
+    obs, next_obs = obs_pair(arrays)
+    return time_axis(arrays[obs], arrays[next_obs], done)
+
+
+def _flag(layout: str) -> str:
+    return f"--layout {layout} (layout={layout!r})"
+
+
+def _contradicted(arrays: dict, shape: Shape, dims: int, flag: list, path: str) -> InputError:
+    """The error for a declared layout whose leading dims the done flags contradict.
+
+    ``flat`` on ``[A, B]`` flags (a rectangle read as rows would give each
+    row ``B`` flags), or ``time_first`` / ``time_last`` on ``[N]`` flags.
+    The message names the layout the data points to.
+    """
+    told = _flag(shape.layout)
+    if dims == 1:
+        return InputError(
+            f"{path}: {told} says the arrays are a rectangle [T, E] / [E, T], but the done "
+            f"flags have shape {flag}, one flag per row: the data is flat rows. Pass "
+            f"{_flag('flat')} (with --envs N / envs=N if N envs' rows come one env after the "
+            "other), or leave the layout out to read it from the data."
+        )
+    time, why = _evidence(arrays)
+    if time is None:
+        points = f"a rectangle: --layout time_first or time_last (layout=...); {why}"
     else:
-        done = np.zeros(next(iter(arrays.values())).shape[:2], np.bool_)
-        for r in FLAG_ROLES:
-            if ROLE_KEYS[r] in arrays:
-                done |= arrays[ROLE_KEYS[r]].reshape(done.shape)
-        obs, next_obs = obs_pair(arrays)
-        time, why = time_axis(arrays[obs], arrays[next_obs], done)
-        undecided = None if time is not None else f"the time axis: {why}"
+        layout = ("time_first", "time_last")[time]
+        points = f"{'[T, E]' if time == 0 else '[E, T]'} arrays ({why}): pass {_flag(layout)}"
+    return InputError(
+        f"{path}: {told} says one row per entry of the first axis, but the done flags have "
+        f"shape {flag}: the data contradicts it. It reads as {points}, or leave the layout "
+        "out to read it from the data."
+    )
+
+
+def _rectangle(arrays: dict, shape: Shape, path: str = "") -> tuple:
+    """``[A, B]`` arrays as flat rows with each row's env, the layout told or found.
+
+    A told layout is checked against the chains: where they run along the
+    other axis, the error names the layout they point to.
+    """
+    time, why = _evidence(arrays)
+    undecided = None if time is not None else f"the time axis: {why}"
+    if shape.layout is not None:
+        told = 0 if shape.layout == "time_first" else 1
+        if time is not None and time != told:
+            layout = ("time_first", "time_last")[time]
+            raise InputError(
+                f"{path}: {_flag(shape.layout)} says time runs along axis {told}, but the "
+                f"data contradicts it: {why}, so time runs along axis {time}: the arrays are "
+                f"{'[T, E]' if time == 0 else '[E, T]'}. Pass {_flag(layout)}, or leave the "
+                "layout out to read it from the data."
+            )
+        time, why, undecided = told, "as told" if time is None else f"as told; {why}", None
     rows, env, _ = flatten(arrays, 0 if time is None else time)
     layout = None if time is None else ("time_first", "time_last")[time]
     return rows, env, layout, why, undecided
@@ -607,7 +742,8 @@ def read(path: str, shape: Shape | None = None) -> Dataset:
         raise InputError(f"{path} does not exist.")
     if os.path.isdir(path):
         if os.path.isdir(os.path.join(path, "storage")):
-            return dataclasses.replace(_dump(path), **_marked(path))
+            ds, marked = _dump(path), _marked(path)
+            return ds if marked["env"] is None else dataclasses.replace(ds, **marked)
         if os.path.exists(os.path.join(path, "meta.json")):
             data = _load_memmap(path)
             if data.batch_dims > 1 or shape != Shape() or not _torchrl_named(data):
@@ -687,6 +823,11 @@ def from_buffer(rb: Any, tmp: str) -> Dataset:
 
     if not isinstance(rb, ReplayBuffer):
         rb = ReplayBuffer(storage=rb)  # a storage: rows in slot order, none overwritten
+    if not getattr(rb.storage, "initialized", True) or not len(rb.storage):
+        raise InputError(
+            f"{type(rb).__name__}({type(rb.storage).__name__}) holds no rows (len 0): nothing "
+            "to audit or clean. Audit or clean a buffer once it holds rows."
+        )
     with warnings.catch_warnings():
         # A buffer filled by rb.loads has no last cursor: TorchRL warns that
         # its save hooks may shift rows wrongly. The dump read here uses no

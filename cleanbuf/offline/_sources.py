@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,8 +106,33 @@ def dataset(source: Any, shape: Shape, tmp: str) -> tuple[Dataset, str, str | No
             )
         name = type(source).__name__
         shape = Shape("time_first", None, shape.keys)
-        return from_arrays(name, sb3_arrays(source), shape), name, "rb"
+        # A full buffer is read from pos, its oldest slot; its first rows may
+        # be reset rows whose done rows were overwritten (orphans, dropped).
+        ds = from_arrays(name, sb3_arrays(source), shape)
+        why = ds.layout_why.replace("as told", "[buffer_size, n_envs] by construction", 1)
+        ds = dataclasses.replace(ds, wrapped=bool(source.full), layout_why=why)
+        return ds, name, "rb"
+    from torchrl.data import ReplayBuffer
+    from torchrl.data.replay_buffers.storages import Storage
+
+    if not isinstance(source, (ReplayBuffer, Storage)):
+        raise InputError(not_data(source))
     return from_buffer(source, tmp), buffer_name(source), None
+
+
+def not_data(source: Any) -> str:
+    """The one line for an object that is no data cleanbuf reads, naming what is.
+
+    Examples:
+        >>> not_data(42)[:46]
+        'got int, which is no data cleanbuf reads: pass'
+    """
+    return (
+        f"got {type(source).__name__}, which is no data cleanbuf reads: pass a path (an "
+        "rb.dumps directory, a TensorDict memmap directory, a .npz or HDF5 file), a TorchRL "
+        "ReplayBuffer or storage, a TensorDict, a dict of arrays, or a Stable-Baselines3 "
+        "ReplayBuffer."
+    )
 
 
 def buffer_name(source: Any) -> str:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 import sys
 
 from cleanbuf.engine._errors import CleanbufError
@@ -99,6 +101,24 @@ def _parser() -> argparse.ArgumentParser:
         choices=LOST_POLICIES,
         help="rows whose terminal observation is lost: nan (default), drop, raise, keep",
     )
+    clean.add_argument(
+        "--done-key",
+        metavar="NAME",
+        help="the array that marks episode ends, read alone (done_key= in Python; "
+        "--key done=NAME, and terminated / truncated not compared with it)",
+    )
+    clean.add_argument(
+        "--no-check-reset-rows",
+        action="store_true",
+        help="drop the row after each done row without checking its reward is 0 "
+        "(check_reset_rows=False: a reward transform shifted the reset rows' reward)",
+    )
+    clean.add_argument(
+        "--terminal-obs-in-done-row",
+        choices=("yes", "no"),
+        help="every done row holds its terminal observation, zeros included "
+        "(terminal_obs_in_done_row=True), or none does (default: read row by row)",
+    )
     clean.add_argument("--no-progress", action="store_true", help="no progress bar")
     clean.add_argument("--json", action="store_true", help="print the stats as JSON")
     _export_parser(sub)
@@ -166,11 +186,77 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+# A Python option an error names -> the flag that says it on the command line.
+FLAGS = {
+    "done_key=": "--done-key NAME",
+    "reward_key=": "--key reward=NAME",
+    "observation_keys=": "--key obs=NAME (with its next/NAME twin)",
+    "check_reset_rows=False": "--no-check-reset-rows",
+    "terminal_obs_in_done_row=": "--terminal-obs-in-done-row yes|no",
+    "on_lost_terminal_obs=": "--on-lost-terminal-obs nan|drop|raise|keep",
+    "joint_reset=": "--joint-reset yes|no",
+    "mode=": "--mode next_step|same_step|disabled",
+}
+
+
+def flags_for(message: str) -> str:
+    """The command-line flags for the Python options an error message names ("" if none).
+
+    The cleaner's errors name its options as Python keywords; on the
+    command line each is a flag, which this line names, so that the fix
+    they give runs there too.
+
+    Examples:
+        >>> flags_for("... or pass check_reset_rows=False.")
+        ' (on the command line: check_reset_rows=False is --no-check-reset-rows)'
+        >>> flags_for("nothing to say")
+        ''
+    """
+    said = [
+        f"{word} is {flag}"
+        for word, flag in FLAGS.items()
+        if re.search(rf"(?<![\w.]){re.escape(word)}", message)
+    ]
+    return f" (on the command line: {'; '.join(said)})" if said else ""
+
+
+def _clean_options(args: argparse.Namespace, shape: dict) -> dict:
+    """The options of ``cleanbuf clean``'s flags, for ``clean_dataset``."""
+    if args.done_key is not None:
+        shape = {**shape, "keys": {**shape["keys"], "done": args.done_key}}
+    options = {k: v for k, v in shape.items() if v}
+    if args.done_key is not None:
+        options["done_key"] = ("next", "done")  # the array named, read alone
+    if args.no_check_reset_rows:
+        options["check_reset_rows"] = False
+    if args.terminal_obs_in_done_row is not None:
+        options["terminal_obs_in_done_row"] = args.terminal_obs_in_done_row == "yes"
+    if args.mode is not None:
+        options["mode"] = args.mode
+    options["joint_reset"] = args.joint_reset
+    if args.on_lost_terminal_obs is not None:
+        options["on_lost_terminal_obs"] = args.on_lost_terminal_obs
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     from cleanbuf.offline import audit, clean_dataset
 
     args = _parser().parse_args(argv)
+    # TorchRL logs an INFO line as each storage is laid out (the writer's):
+    # noise on a command whose output is its report or its stats.
+    torchrl_log = logging.getLogger("torchrl")
+    level = torchrl_log.level
+    torchrl_log.setLevel(max(level, logging.WARNING))
+    try:
+        return _run(args, audit, clean_dataset)
+    finally:
+        torchrl_log.setLevel(level)
+
+
+def _run(args: argparse.Namespace, audit, clean_dataset) -> int:
+    """Runs one parsed command; returns the exit status."""
     try:
         shape = {"layout": args.layout, "envs": args.envs, "keys": parse_keys(args.key)}
         if args.command == "audit":
@@ -181,12 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             return report.status
         if args.command == "export":
             return _export(args)
-        options = {k: v for k, v in shape.items() if v}
-        if args.mode is not None:
-            options["mode"] = args.mode
-        options["joint_reset"] = args.joint_reset
-        if args.on_lost_terminal_obs is not None:
-            options["on_lost_terminal_obs"] = args.on_lost_terminal_obs
+        options = _clean_options(args, shape)
         done = clean_dataset(
             args.src,
             args.dst,
@@ -205,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {k:22s}{v}")
         return 0
     except (CleanbufError, OSError) as err:
-        print(f"cleanbuf {args.command}: {err}", file=sys.stderr)
+        print(f"cleanbuf {args.command}: {err}{flags_for(str(err))}", file=sys.stderr)
         return 2
     except Exception as err:  # exit 1 means "artifacts found": anything else is 2
         print(f"cleanbuf {args.command}: {type(err).__name__}: {err}", file=sys.stderr)

@@ -18,7 +18,7 @@ from cleanbuf.engine._errors import (
 )
 from cleanbuf.engine._options import Options, keyword_names, options_in, refuse_unknown
 from cleanbuf.engine._read import looks_time_first
-from cleanbuf.engine._rollout import MASK_KEY, Rollouts
+from cleanbuf.engine._rollout import MASK_KEY, ROLLOUT_FIELDS, Rollouts
 from cleanbuf.online._base import OnlineCleaner
 from cleanbuf.online._losses import LostObservations
 from cleanbuf.online._producers import Reading
@@ -251,7 +251,7 @@ class RolloutRepair(OnlineCleaner):
             InputError: it was saved by a repair with other options.
         """
         inner = state.get("_extra_state", state) if isinstance(state, dict) else None
-        if not isinstance(inner, dict) or "cleaner" not in inner:
+        if not isinstance(inner, dict) or not set(inner) & set(ROLLOUT_FIELDS):
             raise StateError(
                 f"state: expected the dict RolloutRepair.state_dict() returned, got "
                 f"{type(state).__name__}"

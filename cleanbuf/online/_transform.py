@@ -13,10 +13,11 @@ from torchrl.envs.transforms import Transform
 from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._errors import CleanbufError, CleanbufWarning, InputError, StateError
 from cleanbuf.engine._options import Options, keyword_names, options_in, refuse_unknown
-from cleanbuf.online import _publish, _writes
+from cleanbuf.online import _at_exit, _publish, _writes
 from cleanbuf.online._base import OnlineCleaner
 from cleanbuf.online._compat import calling_replay_buffer
 from cleanbuf.online._copies import CopyStates
+from cleanbuf.online._first_write import check_late_attachment, check_orientation
 from cleanbuf.online._losses import LOST_KEY, LostObservations
 from cleanbuf.online._ray import flush_buffer_actor, in_ray_actor, is_ray_buffer
 from cleanbuf.online._storage import check_storage, is_storage_init
@@ -33,8 +34,12 @@ class AutoresetFilter(OnlineCleaner, Transform):
     it, each same-step done row given its final observation, ``is_init`` and
     the step counts fixed. ``rb.sample()`` is untouched and the collector
     does not change. A done row whose terminal observation comes with the
-    next call waits for it: call :meth:`flush` at the end of collection.
-    Any error leaves the filter and the buffer as they were. The rules, one
+    next call waits for it: call :meth:`flush` at the end of collection (a
+    forgotten one is said when the filter is collected, or at interpreter
+    exit). Its first write refuses a ``[T, E]`` batch where ``[E, T]`` is
+    read, and warns when the buffer already holds rows it did not write
+    (``rows = cleanbuf.clean(rb)`` cleans those). Any error leaves the
+    filter and the buffer as they were. The rules, one
     by one (modes, joint resets, observation-only data, streams across
     calls, batch-end marks, processes, Ray, failures), are in the guide
     ``docs/rules.md``; each option in full in :class:`cleanbuf.Options`.
@@ -137,6 +142,7 @@ class AutoresetFilter(OnlineCleaner, Transform):
         self._in_ray_actor: bool | None = None  # whether it runs in a Ray actor (first call)
         self._buffer = None  # weak reference to the buffer whose extend calls it (first call)
         self._last_write: _writes.LastWrite | None = None  # the last call's rows, on their way
+        _at_exit.watch(self)  # held rows never flushed are said at interpreter exit
 
     @property
     def stats(self) -> dict:
@@ -279,6 +285,11 @@ class AutoresetFilter(OnlineCleaner, Transform):
         if not self._storage_checked:
             rb = calling_replay_buffer()
             check_storage(rb)
+            # Once, at the first write: a [T, E] batch where [E, T] is read, and
+            # a buffer that already holds rows this filter did not write.
+            check_orientation(tensordict, self.options.layout, self.options.done_key)
+            fresh = self._copies is None and not self._engine.count("rows_in")
+            check_late_attachment(rb, fresh and not is_storage_init(tensordict))
             self._buffer = None if rb is None else weakref.ref(rb)
             self._storage_checked = True  # once per process: a frame walk is not free
         if self._in_ray_actor is None:
@@ -396,11 +407,34 @@ class AutoresetFilter(OnlineCleaner, Transform):
         if self._copies is not None:
             self._publish()
 
+    def _unflushed(self) -> int:
+        """Rows held and never stored, not said yet (0 once said, or for copies)."""
+        # (Copies in worker processes and Ray actors are flushed by the parent.)
+        if self.__dict__.get("_said_unflushed") or self._copies is not None:
+            return 0
+        return self._engine.count("rows_held")
+
+    def _say_unflushed_at_exit(self) -> None:
+        """Warns, at interpreter exit, of held rows a forgotten flush never stored.
+
+        A ``Collector(replay_buffer=rb)`` keeps the buffer, and so the filter,
+        alive to the end: the garbage-collection warning never comes then.
+        """
+        held = self._unflushed()
+        if held:
+            self.__dict__["_said_unflushed"] = True
+            warnings.warn(
+                f"an AutoresetFilter still held {held} row(s) at interpreter exit that were "
+                "never stored (each waits for the row after it). Call filt.flush(rb) at the "
+                "end of collection (after the collector's loop) to store them.",
+                CleanbufWarning,
+                stacklevel=2,
+            )
+
     def __del__(self) -> None:
         # A forgotten flush(rb) loses the held rows: say so when the filter goes.
-        # (Copies in worker processes and Ray actors are flushed by the parent.)
         try:
-            held = self._engine.count("rows_held") if self._copies is None else 0
+            held = self._unflushed()
             if held:
                 warnings.warn(
                     f"an AutoresetFilter was garbage-collected while holding {held} row(s) "
