@@ -525,7 +525,8 @@ def test_raw_gymnasium_same_step_loop(with_info):
     back, as the filter does; without them they are lost, and said so.
     Bugs caught: same-step data taken for next-step (first rows dropped as
     reset rows), the replaced observations not counted, the stored final
-    observations not used.
+    observations not used, and an audit that calls the stored final
+    observations "lost for good" (or prints a fix that marks them NaN).
     """
     name, kwargs, policy = ENVS["CartPole-terminates"]
     rb = ReplayBuffer(storage=LazyTensorStorage(10_000))
@@ -536,6 +537,10 @@ def test_raw_gymnasium_same_step_loop(with_info):
     assert (report.envs, report.steps, report.mode, report.reset_rows) == (E, 1, "same_step", 0)
     ends = torch.stack(steps)["next", "done"][:-1]  # done rows with a row after them
     assert report.next_obs_is_reset == int(ends.sum()) > 0
+    stored = report.next_obs_is_reset if with_info else 0
+    assert report.final_stored == stored
+    assert report.lost_for_good == report.next_obs_is_reset - stored
+    assert ("nan" in report.command()) is not with_info
     if with_info:
         want, stats = _filtered(steps, mode="same_step", layout="step")
         _assert_streams(cleanbuf.clean(rb), want)

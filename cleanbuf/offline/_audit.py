@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from cleanbuf.engine._errors import InputError
-from cleanbuf.engine._keys import may_be_observation
+from cleanbuf.engine._keys import FINAL_KEYS, may_be_observation
 from cleanbuf.offline._formats import Dataset, Shape, done_of, read
 from cleanbuf.offline._joint import joint_rows
 from cleanbuf.offline._marker import env_if_fresh
@@ -104,6 +104,9 @@ class Report:
             observation is the next episode's first one (same-step).
         recoverable: done rows whose terminal observation a clean restores
             (from the reset row after them).
+        final_stored: same-step done rows whose terminal observation is in
+            a final-observation entry (``("next", "final_obs")``, as
+            ``cleanbuf.step_rows`` stores Gymnasium's): a clean restores it.
         is_init_wrong, step_count_wrong: episodes whose first row (after
             the reset row, if any) lacks ``is_init`` or has a step count
             other than 0; None when the rows have no such key.
@@ -145,6 +148,7 @@ class Report:
     next_obs_nan: int
     next_obs_is_reset: int
     recoverable: int
+    final_stored: int = 0
     is_init_wrong: int | None = None
     step_count_wrong: int | None = None
     in_memory: bool = False
@@ -173,8 +177,17 @@ class Report:
 
     @property
     def lost(self) -> int:
-        """Done rows whose terminal observation is gone for good (marked or not)."""
+        """Done rows whose next observation is zeros or NaN and no reset row restores."""
         return max(self.next_obs_zero + self.next_obs_nan - self.recoverable, 0)
+
+    @property
+    def lost_for_good(self) -> int:
+        """Done rows whose terminal observation no clean can restore.
+
+        Those of :attr:`lost`, and the same-step done rows holding the next
+        episode's first observation whose final observation was not stored.
+        """
+        return self.lost + max(self.next_obs_is_reset - self.final_stored, 0)
 
     @property
     def clean(self) -> bool:
@@ -200,7 +213,8 @@ class Report:
         data), so the fix printed would not run; the report says how many
         are lost, and the NaN marks them in the cleaned copy.
         """
-        return "nan" if self.mode == "same_step" and self.next_obs_is_reset else None
+        lost = self.next_obs_is_reset > self.final_stored
+        return "nan" if self.mode == "same_step" and lost else None
 
     def command(self, dst: str | None = None) -> str:
         """The ``cleanbuf clean`` command that fixes the data, runnable as printed.
@@ -231,6 +245,7 @@ class Report:
         out.update(
             artifacts=self.artifacts,
             lost=self.lost,
+            lost_for_good=self.lost_for_good,
             clean=self.clean,
             status=self.status,
             # (rows linked by content have no env order to clean by)
@@ -271,8 +286,9 @@ class Report:
             f"  next obs zeros    {self.next_obs_zero}",
             f"  next obs NaN      {self.next_obs_nan}",
             f"  next obs = reset  {self.next_obs_is_reset}",
-            f"  recoverable       {self.recoverable} terminal observations (from reset rows)",
-            f"  lost for good     {self.lost + self.next_obs_is_reset}",
+            f"  recoverable       {self.recoverable + self.final_stored} terminal observations "
+            + ("(from final-observation entries)" if self.final_stored else "(from reset rows)"),
+            f"  lost for good     {self.lost_for_good}",
         ]
         if self.trailing:
             lines.append(
@@ -428,6 +444,7 @@ def _ends(rows: Rows, reward: np.ndarray, positions: np.ndarray, details: list, 
         "zero": int(zero.sum()),
         "nan": int(nan.sum()),
         "same_not_reset": int((same & ~reset).sum()),
+        "final_stored": int((same & ~reset & book["final"][d]).sum()) if "final" in book else 0,
         "recoverable": int(((zero | nan) & reset).sum()),
         # a done row with no row after it (end of collection) is no evidence
         "lost_no_reset": int(((zero | nan) & ~reset & has_next).sum()),
@@ -548,6 +565,7 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
         next_obs_nan=totals.get("nan", 0),
         next_obs_is_reset=totals.get("same_not_reset", 0) if mode == "same_step" else 0,
         recoverable=totals.get("recoverable", 0) if mode == "next_step" else 0,
+        final_stored=totals.get("final_stored", 0) if mode == "same_step" else 0,
         is_init_wrong=totals.get("is_init_wrong"),
         step_count_wrong=totals.get("step_count_wrong"),
         joint_steps=joint_steps,
@@ -694,7 +712,13 @@ def _rows(ds: Dataset, key: tuple, done: np.ndarray) -> Rows:
 
 
 def _book(ds: Dataset) -> dict:
-    """The ``is_init`` and ``step_count`` columns present, one value a row."""
+    """The ``is_init`` and ``step_count`` columns present, one value a row.
+
+    With them, ``"final"``: per row, whether a same-step final-observation
+    entry (``("next", "final_obs")`` and the names in ``FINAL_KEYS``) holds
+    its terminal observation: its mask (``("next", "_final_obs")``) where
+    stored, else every leaf of the entry neither all zeros nor NaN.
+    """
     n, every = ds.n_rows, np.arange(ds.n_rows)
     keys = set(_tuple(k) for k in ds.data.keys(True, True))
     book = {
@@ -704,6 +728,21 @@ def _book(ds: Dataset) -> dict:
     }
     if "is_init" in book:
         book["is_init"] = book["is_init"].astype(bool)
+    for prefix in FINAL_KEYS:
+        entry = [k for k in keys if k[: len(prefix)] == prefix]
+        if not entry:
+            continue
+        mask = (*prefix[:-1], "_" + prefix[-1])
+        if mask in keys:
+            book["final"] = ds.column(mask, every).reshape(n, -1).astype(bool).all(1)
+        else:
+            present = np.ones(n, np.bool_)
+            for k in entry:
+                x = _flat(ds.column(k, every))
+                nan = np.isnan(x).any(1) if x.dtype.kind == "f" else False
+                present &= ~nan & (x != 0).any(1)
+            book["final"] = present
+        break
     return book
 
 

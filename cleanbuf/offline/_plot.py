@@ -34,10 +34,10 @@ def counts(report: Any) -> dict[str, tuple[int, ...]]:
     """Rows of each kind in ``KINDS``, as stored and once cleaned with the audited options.
 
     Cleaning drops the reset rows, restores the terminal observations the
-    reset rows hold (``recoverable``) and marks the others NaN (the
-    default ``on_lost_terminal_obs="nan"``).
+    reset rows or a final-observation entry hold (``recoverable``,
+    ``final_stored``) and marks the others NaN (the default
+    ``on_lost_terminal_obs="nan"``).
     """
-    lost = report.lost + report.next_obs_is_reset
     return {
         "as stored": (
             report.reset_rows,
@@ -46,7 +46,7 @@ def counts(report: Any) -> dict[str, tuple[int, ...]]:
             0,
             report.next_obs_nan,
         ),
-        "cleaned": (0, 0, 0, report.recoverable, lost),
+        "cleaned": (0, 0, 0, report.recoverable + report.final_stored, report.lost_for_good),
     }
 
 
