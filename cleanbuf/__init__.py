@@ -9,6 +9,10 @@ The public API:
   replay buffer filled without the filter, or a dataset on disk.
 * :func:`audit`: what auto-reset artifacts stored data holds (also the
   ``cleanbuf audit`` / ``cleanbuf clean`` command line).
+* :func:`check`: runs an env under each producer and against explicit
+  resets, and shows what each stores wrong and whether the cleaned rows
+  equal the explicit-reset run (also ``cleanbuf check ENV``); it returns a
+  :class:`CheckReport`.
 * :func:`step_rows`: one raw vector-env step as the rows the filter expects.
 * :class:`RolloutRepair`: the same cleaning for on-policy learners: the
   collector's ``[*E, T]`` batch returned repaired (time axis kept, reset rows
@@ -19,6 +23,7 @@ The public API:
 * the errors, all ``ValueError`` subclasses.
 """
 
+from cleanbuf._env_check import CheckReport, check
 from cleanbuf._version import __version__ as __version__
 from cleanbuf.engine._errors import (
     CleanbufError,
@@ -40,6 +45,7 @@ from cleanbuf.online._transform import AutoresetFilter
 
 __all__ = [
     "AutoresetFilter",
+    "CheckReport",
     "CleanbufError",
     "CleanbufWarning",
     "ContinuityError",
@@ -51,6 +57,7 @@ __all__ = [
     "StateError",
     "TerminalObservationLostError",
     "audit",
+    "check",
     "clean",
     "lossless_gym_env",
     "step_rows",

@@ -56,7 +56,11 @@ _PIP = {"gymnasium": "gymnasium (pip install 'cleanbuf[gym]')",
 
 def installed(package: str) -> bool:
     """Whether ``package`` can be imported."""
-    return importlib.util.find_spec(package) is not None
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        return False
+    return True
 
 
 def require(producer: str) -> None:

@@ -1,0 +1,596 @@
+"""``cleanbuf check ENV``: what each producer stores wrong, and whether cleanbuf's output is right.
+
+Runs one env under each producer (Gymnasium next-step and same-step
+vector envs, TorchRL ``GymEnv(name, num_envs=N)``, ``SerialEnv`` /
+``ParallelEnv`` of single envs, Stable-Baselines3 ``DummyVecEnv``) with
+seeded random actions, and the truth: the same env with explicit partial
+resets (Gymnasium ``AutoresetMode.DISABLED``), the same seeds and the same
+actions per env. Then it cleans each producer's rows with cleanbuf and
+compares them with the truth, row for row within each env.
+
+Exit status, as ``cleanbuf audit``'s:
+
+* 0: every producer's cleaned rows equal the truth (observations a
+  producer lost for good are reported, not hidden);
+* 1: a difference: a reproducer file is written (seeds, actions, the
+  differing rows) and the command that replays it is printed;
+* 2: an error (an unknown env id, a factory that fails, a producer whose
+  package is not installed: named);
+* 3: the env is not reproducible under seeds (two truth runs with the
+  same seeds and actions differ): nothing can be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import re
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+import cleanbuf._env_check_report as report_
+import cleanbuf._env_check_runs as runs_
+from cleanbuf.engine._errors import CleanbufError
+
+CleanFn = Callable[[list, Any], Any]
+_FORMAT = "cleanbuf-check-reproducer/1"
+
+
+@dataclasses.dataclass
+class CheckReport:
+    """What :func:`check` found: one :class:`ProducerResult` per producer, and the verdict.
+
+    ``str(report)`` is the table ``cleanbuf check`` prints; :attr:`status`
+    its exit status.
+
+    Attributes:
+        env: the env checked (a Gymnasium id or ``module:function``).
+        num_envs: sub-envs per producer.
+        steps: steps per producer (and of the truth).
+        seed: sub-env ``e`` started from ``reset(seed=seed + e)``.
+        max_episode_steps: the time limit put on each sub-env, or None.
+        truth_episode_ends: episode ends in the truth.
+        truth_truncations: of which truncations.
+        producers: one result per producer run, in order.
+        not_run: producers not run, with why.
+        not_reproducible: where two truth runs differ (None: they are equal).
+        cleaning: the cleaning checked.
+        reproducer: the reproducer file written (status 1), else None.
+        replay: the command that replays it, else None.
+    """
+
+    env: str
+    num_envs: int
+    steps: int
+    seed: int
+    max_episode_steps: int | None
+    truth_episode_ends: int
+    truth_truncations: int
+    producers: list
+    not_run: dict
+    not_reproducible: str | None
+    cleaning: str
+    reproducer: str | None = None
+    replay: str | None = None
+    timelines: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def status(self) -> int:
+        """The exit status: 0 equal, 1 a difference, 3 not reproducible."""
+        if self.not_reproducible is not None:
+            return 3
+        return 1 if any(p.differ for p in self.producers) else 0
+
+    def to_dict(self) -> dict:
+        """The report as plain values (``cleanbuf check --json``)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del out["timelines"]
+        out["producers"] = [dataclasses.asdict(p) for p in self.producers]
+        out["status"] = self.status
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(_render(self))
+
+    def plot(self, path: str) -> None:
+        """Draws env 0's rows as each producer stored them, against the truth (matplotlib)."""
+        from cleanbuf._env_check_plot import figure
+
+        fig = figure(self)
+        fig.savefig(path, dpi=110)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+# The table: (first header line, second header line, width, value).
+_COLUMNS = (
+    ("", "rows", 6, lambda p: p.rows),
+    ("reset", "rows", 6, lambda p: p.reset_rows),
+    ("term.obs", "zeroed", 9, lambda p: p.terminal_zero),
+    ("term.obs", "NaN", 9, lambda p: p.terminal_nan),
+    ("term.obs", "=reset", 9, lambda p: p.terminal_reset_obs + p.terminal_other),
+    ("trunc.", "as term.", 9, lambda p: p.truncation_as_termination),
+    ("is_init/", "step wrong", 11, lambda p: "-" if p.wrong_init_or_step is None
+        else p.wrong_init_or_step),  # fmt: skip
+)
+_CLEANED = (
+    ("", "rows", 6, lambda p: p.cleaned_rows),
+    ("", "differ", 7, lambda p: p.differ),
+    ("", "lost", 6, lambda p: p.lost),
+    ("", "time", 9, lambda p: f"{p.clean_seconds * 1e3:.0f} ms"),
+)
+
+
+def _table(report: CheckReport) -> list[str]:
+    width = max([len("producer"), *(len(p.producer) for p in report.producers)]) + 1
+    left = sum(w for *_, w, _ in _COLUMNS)
+    right = sum(w for *_, w, _ in _CLEANED)
+    lines = [" " * width + " as stored ".center(left, "-") + " | "
+             + " cleaned by cleanbuf ".center(right, "-")]
+    for row in (0, 1):
+        head = ("producer" if row else "").ljust(width)
+        head += "".join(c[row].rjust(c[2]) for c in _COLUMNS) + " | "
+        head += "".join(c[row].rjust(c[2]) for c in _CLEANED)
+        lines.append(head)
+    for p in report.producers:
+        line = p.producer.ljust(width) + "".join(str(c[3](p)).rjust(c[2]) for c in _COLUMNS)
+        lines.append(line + " | " + "".join(str(c[3](p)).rjust(c[2]) for c in _CLEANED))
+    return lines
+
+
+def _advice(report: CheckReport) -> list[str]:
+    """Plain words: which producer to prefer, and what to pass."""
+    ps = report.producers
+    clean = [p.producer for p in ps if p.stored_wrong == 0 and p.lost == 0]
+    whole = [p.producer for p in ps if p.lost == 0]
+    out = []
+    if clean:
+        out.append(f"Prefer {', '.join(clean)}: nothing stored wrong, nothing to clean "
+                   "(AutoresetFilter.for_env(env) passes its rows through, checked).")  # fmt: skip
+    elif whole:
+        out.append(f"Prefer {', '.join(whole)}: cleaned, nothing is lost.")
+    needs = [p for p in ps if p.stored_wrong and p.lost == 0 and not p.differ]
+    if needs:
+        names = ", ".join(p.producer for p in needs)
+        out.append(f"{names}: give the buffer transform=AutoresetFilter.for_env(env) (on-policy "
+                   "batches: RolloutRepair.for_env(env)); every row comes back as the truth's.")  # fmt: skip
+    for p in ps:
+        if p.lost_why.get("joint"):
+            out.append(
+                f"{p.producer}: {p.lost_why['joint']} terminal observation(s) lost for good "
+                f"({report_.WHY_LOST['joint']}; fixed-horizon tasks: every episode). Use "
+                f"cleanbuf.lossless_gym_env(name, num_envs={report.num_envs}) instead, or "
+                "AutoresetFilter.for_env(env, on_lost_terminal_obs=\"drop\") to leave those "
+                "rows out."
+            )
+        if p.lost_why.get("end"):
+            out.append(f"{p.producer}: {p.lost_why['end']} done row(s) on the last step: "
+                       f"{report_.WHY_LOST['end']} (a longer run keeps them).")  # fmt: skip
+        if p.truncation_as_termination:
+            out.append(
+                f"{p.producer}: its dones flag {p.truncation_as_termination} truncation(s) as "
+                "terminations; the truncation is in infos[i]['TimeLimit.truncated']: "
+                "step_rows(obs, action, next_obs, rewards, dones, None, infos) reads it."
+            )
+    return out
+
+
+def _verdict(report: CheckReport) -> list[str]:
+    if report.status == 3:
+        return [
+            f"NOT REPRODUCIBLE: {report.env} is not reproducible under seeds: two runs with "
+            f"explicit resets, the same seeds and the same actions differ (first at "
+            f"{report.not_reproducible}). Nothing was compared. Check that the env's reset(seed=) "
+            "seeds every source of randomness it uses (self.np_random, not the random module, "
+            "np.random or torch's global generator), and that nothing else (the time, a file, "
+            "a counter kept across instances) changes its steps."
+        ]
+    lost = sum(p.lost for p in report.producers)
+    if report.status == 0:
+        note = f" ({lost} lost terminal observation(s) marked NaN, counted above)" if lost else ""
+        return [f"Verdict: in every producer the cleaned rows equal the explicit-reset run, row "
+                f"for row within each env{note}. Exit 0."]  # fmt: skip
+    bad = [p for p in report.producers if p.differ]
+    lines = ["DIFFERENCE: " + "; ".join(
+        f"{p.producer}: {p.differ} cleaned row(s) unlike the explicit-reset run" for p in bad)]
+    for p in bad:
+        for d in p.differences[:3]:
+            lines.append(f"  {p.producer}, env {d['env']}, row {d['row']}, {d['key']}: "
+                         f"want {_short(d['want'])}, got {_short(d['got'])}")  # fmt: skip
+    if report.reproducer:
+        lines.append(f"Reproducer written: {report.reproducer}")
+        lines.append(f"Replay it: {report.replay}")
+    return lines
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(f"{v:.4g}" for v in value[:4]) + (", ...]" if len(value) > 4 else "]")
+    return str(value)
+
+
+def _render(report: CheckReport) -> list[str]:
+    limit = "" if report.max_episode_steps is None else f", time limit {report.max_episode_steps}"
+    lines = [
+        f"cleanbuf check {report.env}: {report.num_envs} envs x {report.steps} steps, seed "
+        f"{report.seed}{limit}, random actions (each env's the same in all runs)",
+        f"truth: the same envs with explicit resets (Gymnasium AutoresetMode.DISABLED): "
+        f"{report.num_envs * report.steps} rows, {report.truth_episode_ends} episode ends "
+        f"({report.truth_truncations} truncations)",
+    ]
+    if report.status == 3:
+        return [*lines, "", *_verdict(report)]
+    lines += ["", *_table(report), ""]
+    lines.append("as stored: reset rows = bogus rows of a reset step; term.obs = a done row's next "
+                 "observation zero-filled, NaN, or the next episode's first one; trunc. as term. = "
+                 "truncations flagged as terminations; is_init/step wrong = rows whose is_init or "
+                 "step_count differ from the truth (-: not stored).")  # fmt: skip
+    lines.append(f"cleaned by {report.cleaning}: rows that differ from the truth (0 expected), "
+                 "terminal observations lost for good (NaN), the time the cleaning took.")  # fmt: skip
+    lines.append("")
+    for p in report.producers:
+        lines.append(f"{p.producer}: {p.description}; {p.options}")
+    for name, why in report.not_run.items():
+        lines.append(f"{name}: not run: {why}")
+    lines.append("")
+    lines += _advice(report)
+    return _wrap([*lines, "", *_verdict(report)])
+
+
+def _wrap(lines: list[str], width: int = 100) -> list[str]:
+    """Wraps the prose lines (not the table's) at ``width``."""
+    import textwrap
+
+    out = []
+    for line in lines:
+        if len(line) <= width or "|" in line:
+            out.append(line)
+        else:
+            indent = "  " if line.startswith("  ") else ""
+            out += textwrap.wrap(line, width, subsequent_indent=indent + "  ",
+                                 break_on_hyphens=False)
+    return out
+
+
+def _clean_fn(clean: CleanFn | str | None) -> tuple[CleanFn, str, str | None]:
+    """``(function, what to call it, module:function or None)``."""
+    if clean is None:
+        return runs_.filter_cleaning, "AutoresetFilter.for_env(producer)", None
+    if isinstance(clean, str):
+        module, _, attr = clean.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise CleanbufError(
+                f"--clean {clean}: cannot import it ({err}). Pass package.module:function, a "
+                "function (batches, env) -> cleaned rows."
+            ) from err
+        return fn, clean, clean
+    name = f"{getattr(clean, '__module__', '?')}:{getattr(clean, '__qualname__', '?')}"
+    importable = re.fullmatch(r"[\w.]+:\w+", name) is not None
+    return clean, name, name if importable else None
+
+
+def _program() -> str:
+    """The command this process was run as, so that a printed command runs as printed."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0) == "cleanbuf":
+        return shlex.quote(argv0)
+    if argv0.endswith(os.path.join("cleanbuf", "__main__.py")):
+        return f"{shlex.quote(sys.executable)} -m cleanbuf"
+    return "cleanbuf"
+
+
+def _producers(producers: Sequence[str] | str | None) -> tuple[list[str], dict]:
+    """The producers to run, and those not run with why."""
+    if isinstance(producers, str):
+        producers = [p.strip() for p in producers.split(",") if p.strip()]
+    not_run: dict = {}
+    if producers is None or list(producers) == ["all"]:
+        every = producers is not None
+        names = list(runs_.PRODUCERS) if every else list(runs_.DEFAULT_PRODUCERS)
+        chosen = []
+        for name in names:
+            package = runs_.PRODUCERS[name][1]
+            if name == "envpool":
+                not_run[name] = runs_.ENVPOOL_WHY
+            elif not runs_.installed(package):
+                not_run[name] = f"{package} is not installed"
+            else:
+                chosen.append(name)
+        return chosen, not_run
+    unknown = [p for p in producers if p not in runs_.PRODUCERS]
+    if unknown:
+        raise CleanbufError(
+            f"unknown producer(s) {unknown}; choose from {list(runs_.PRODUCERS)} or 'all'."
+        )
+    chosen = []
+    for name in dict.fromkeys(producers):
+        if name == "envpool":
+            not_run[name] = runs_.ENVPOOL_WHY
+            continue
+        runs_.require(name)
+        chosen.append(name)
+    if not chosen:
+        raise CleanbufError(f"no producer to run: envpool: {runs_.ENVPOOL_WHY}")
+    return chosen, not_run
+
+
+def _progress(enabled: bool | None, total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="cleanbuf check", unit="step", file=sys.stderr,
+                disable=None if enabled is None else not enabled, leave=False)  # fmt: skip
+
+
+def _options_of(env: Any) -> str:
+    """How ``AutoresetFilter.for_env`` configures itself for ``env``, in words."""
+    import warnings
+
+    from cleanbuf.engine._errors import CleanbufWarning
+    from cleanbuf.online._transform import AutoresetFilter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CleanbufWarning)
+        o = AutoresetFilter.for_env(env).options
+    words = f"for_env: mode={o.mode}"
+    if o.layout:
+        words += f", layout={o.layout}"
+    if o.joint_reset:
+        words += ", joint_reset=True"
+    return words
+
+
+def _timeline(rows: Any, real: np.ndarray | None, steps: int) -> dict:
+    """Env 0's first observation component and done flags, for the plot."""
+    n = min(rows.batch_size[0], steps)
+    obs = report_._obs(rows[:n], report_.OBS)[:, 0]
+    nxt = report_._obs(rows[:n], report_.NEXT_OBS)[:, 0]
+    done = rows["next", "done"][:n].reshape(n).numpy()
+    real = np.ones(n, bool) if real is None else real[:n]
+    return {"obs": obs, "next": nxt, "done": done, "real": real}
+
+
+def _run_one(name, source, settings, actions, truth, clean_fn, tick) -> Any:
+    """Runs, cleans and compares one producer; returns ``(result, timeline)``."""
+    num_envs, steps, seed = settings
+    run = runs_.run_producer(name, source, num_envs, steps, seed, actions, tick)
+    try:
+        runs_.filter_cleaning(run.batches[:2], run.env)  # compiled or loaded once, not timed
+        start = time.perf_counter()
+        cleaned = clean_fn(run.batches, run.env)
+        seconds = time.perf_counter() - start
+        options = _options_of(run.env)
+    finally:
+        run.close()
+    stored = report_.count_stored(run, truth)
+    compared = report_.compare_cleaned(run, cleaned, truth)
+    result = report_.ProducerResult(
+        producer=name, description=runs_.PRODUCERS[name][0], **stored, **compared,
+        clean_seconds=seconds, collect_seconds=run.seconds, options=options,
+    )  # fmt: skip
+    return result, _timeline(run.rows[0], run.real[0], 400)
+
+
+def check(
+    env: str = "CartPole-v1",
+    *,
+    producers: Sequence[str] | str | None = None,
+    num_envs: int = 4,
+    steps: int = 300,
+    seed: int = 0,
+    max_episode_steps: int | None = None,
+    clean: CleanFn | str | None = None,
+    reproducer: str | os.PathLike | None = None,
+    replay: str | os.PathLike | None = None,
+    progress: bool | None = False,
+) -> CheckReport:
+    """Runs ``env`` under each producer and against explicit resets; cleans and compares.
+
+    Each producer steps ``num_envs`` sub-envs ``steps`` times with seeded
+    random actions (env ``e``'s own sequence, the same in every run; a
+    reset step, whose action the env ignores, takes none). The truth is the
+    same env factory under Gymnasium ``AutoresetMode.DISABLED`` with
+    explicit partial resets, the same seeds and actions; it runs twice, and
+    an env whose two truth runs differ is not reproducible (status 3).
+    Each producer's rows are counted against the truth as stored (reset
+    rows, wrong terminal observations, truncations flagged as
+    terminations, wrong ``is_init`` / ``step_count``), then cleaned
+    (``AutoresetFilter.for_env(producer)``, as a buffer's transform) and
+    compared with the truth, row for row within each env.
+
+    Args:
+        env: a Gymnasium id, or ``package.module:function`` returning one
+            Gymnasium env.
+        producers: names from ``gym-next-step``, ``gym-same-step``,
+            ``torchrl-gymenv``, ``torchrl-serial``, ``torchrl-parallel``,
+            ``sb3-dummy``, ``envpool`` (a list or a comma-separated str),
+            or ``"all"``. None: those that start no process and are
+            installed. EnvPool cannot be checked (no truth exists for it:
+            the report says why).
+        num_envs: sub-envs per producer.
+        steps: steps per producer.
+        seed: sub-env ``e`` starts from ``reset(seed=seed + e)``; env
+            ``e``'s actions are drawn from its action space seeded ``seed + e``.
+        max_episode_steps: a time limit put on every sub-env.
+        clean: the cleaning to check, a function ``(batches, env) ->
+            cleaned rows`` (a TensorDict of flat rows keeping each row's
+            ``"env_id"``) or its ``"module:function"``; None:
+            ``AutoresetFilter.for_env(env)`` on each batch, then ``flush()``.
+        reproducer: where to write the reproducer when a difference is
+            found (None: ``cleanbuf-check-<env>.json`` here).
+        replay: a reproducer file: run its env, settings and actions again
+            (the other arguments but ``clean`` and ``progress`` are ignored).
+        progress: a progress bar on stderr (None: on a terminal).
+
+    Returns:
+        The :class:`CheckReport`; ``report.status`` is 0 (equal), 1 (a
+        difference; the reproducer is written) or 3 (not reproducible).
+
+    Raises:
+        CleanbufError: the env cannot be built, a producer is unknown or
+            not installed (named), or a setting is out of range.
+
+    Examples:
+        >>> import cleanbuf
+        >>> report = cleanbuf.check("CartPole-v1", producers="gym-next-step", steps=60)
+        >>> report.status, report.producers[0].differ
+        (0, 0)
+        >>> report.producers[0].reset_rows == report.producers[0].rows - report.producers[0].cleaned_rows
+        True
+    """
+    clean_fn, clean_name, clean_ref = _clean_fn(clean)
+    actions = None
+    if replay is not None:
+        saved = _load(replay)
+        env, num_envs, steps = saved["env"], saved["num_envs"], saved["steps"]
+        seed, max_episode_steps = saved["seed"], saved["max_episode_steps"]
+        producers = saved["producers"]
+        actions = np.asarray(saved["actions"]["values"], dtype=saved["actions"]["dtype"])
+    if num_envs < 1 or steps < 2:
+        raise CleanbufError(f"num_envs={num_envs}, steps={steps}: need num_envs >= 1, steps >= 2.")
+    names, not_run = _producers(producers)
+    source = runs_.EnvSource(env, max_episode_steps)
+    _, action_space = source.probe()
+    if actions is None:
+        actions = runs_.action_sequences(action_space, num_envs, steps, seed)
+    with _progress(progress, steps * (len(names) + 2)) as bar:
+        truth = runs_.run_truth(source, num_envs, steps, seed, actions)
+        again = runs_.run_truth(source, num_envs, steps, seed, actions)
+        bar.update(2 * steps)
+        ends = truth["next", "done"]
+        trunc = truth["next", "truncated"] & ~truth["next", "terminated"]
+        out = CheckReport(env, num_envs, steps, seed, max_episode_steps, int(ends.sum()),
+                          int(trunc.sum()), [], not_run,
+                          report_.first_truth_difference(truth, again), clean_name)  # fmt: skip
+        if out.not_reproducible is not None:
+            return out
+        out.timelines["truth"] = _timeline(truth[0], None, 400)
+        for name in names:
+            result, timeline = _run_one(name, source, (num_envs, steps, seed), actions, truth,
+                                        clean_fn, lambda: bar.update(1))  # fmt: skip
+            out.producers.append(result)
+            out.timelines[name] = timeline
+    if out.status == 1:
+        _write_reproducer(out, actions, clean_ref, reproducer, replay)
+    return out
+
+
+def _write_reproducer(report: CheckReport, actions: np.ndarray, clean_ref, path, replay) -> None:
+    if path is None:
+        path = replay if replay is not None else (
+            "cleanbuf-check-" + re.sub(r"[^\w.-]+", "_", report.env) + ".json")  # fmt: skip
+    path = os.fspath(path)
+    bad = [p for p in report.producers if p.differ]
+    saved = {
+        "format": _FORMAT,
+        "env": report.env,
+        "num_envs": report.num_envs,
+        "steps": report.steps,
+        "seed": report.seed,
+        "max_episode_steps": report.max_episode_steps,
+        "producers": [p.producer for p in bad],
+        "clean": clean_ref,
+        "actions": {"dtype": str(actions.dtype), "values": actions.tolist()},
+        "differences": {p.producer: p.differences for p in bad},
+    }
+    with open(path, "w") as f:
+        json.dump(saved, f)
+    report.reproducer = path
+    flags = f" --clean {shlex.quote(clean_ref)}" if clean_ref else ""
+    report.replay = f"{_program()} check --replay {shlex.quote(path)}{flags}"
+    if clean_ref is None and report.cleaning != "AutoresetFilter.for_env(producer)":
+        report.replay += f"  (from Python: cleanbuf.check(replay={path!r}, clean=...))"
+
+
+def _load(path: str | os.PathLike) -> dict:
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CleanbufError(f"cannot read the reproducer {os.fspath(path)!r}: {err}") from err
+    if not isinstance(saved, dict) or saved.get("format") != _FORMAT:
+        raise CleanbufError(
+            f"{os.fspath(path)!r} is not a cleanbuf check reproducer (no format {_FORMAT!r})."
+        )
+    return saved
+
+
+EXAMPLES = """examples:
+  cleanbuf check                                   CartPole-v1, 4 envs, 300 steps
+  cleanbuf check Pendulum-v1 --steps 450
+  cleanbuf check Hopper-v5 --producer all --plot hopper.png
+  cleanbuf check mypackage.envs:make_env --max-episode-steps 100
+  cleanbuf check --replay cleanbuf-check-CartPole-v1.json
+
+producers: gym-next-step, gym-same-step, torchrl-gymenv, torchrl-serial,
+torchrl-parallel (starts processes), sb3-dummy, envpool (cannot be checked:
+says why); default: those that start no process and are installed.
+
+exit status: 0 cleaned rows equal the explicit-reset run, 1 a difference
+(reproducer written), 2 error, 3 the env is not reproducible under seeds
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``cleanbuf check`` command line."""
+    p = argparse.ArgumentParser(
+        prog="cleanbuf check",
+        description="Run ENV under each producer and with explicit resets: what each producer "
+        "stores wrong, and whether cleanbuf's cleaned rows equal the explicit-reset run.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("env", nargs="?", default="CartPole-v1",
+                   help="a Gymnasium id or package.module:function (default: CartPole-v1)")  # fmt: skip
+    p.add_argument("--producer", action="append", metavar="NAME",
+                   help="a producer (repeat, or comma-separated; 'all': every one)")  # fmt: skip
+    p.add_argument("--num-envs", type=int, default=4, help="sub-envs (default: 4)")
+    p.add_argument("--steps", type=int, default=300, help="steps per producer (default: 300)")
+    p.add_argument("--seed", type=int, default=0, help="sub-env e starts at seed + e (default: 0)")
+    p.add_argument("--max-episode-steps", type=int, help="a time limit on every sub-env")
+    p.add_argument("--plot", metavar="FILE.png", help="draw env 0's rows against the truth")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--reproducer", metavar="FILE", help="where a difference's reproducer goes")
+    p.add_argument("--replay", metavar="FILE", help="run a reproducer again")
+    p.add_argument("--clean", metavar="MODULE:FUNCTION",
+                   help="the cleaning to check, (batches, env) -> rows (default: the filter)")  # fmt: skip
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``cleanbuf check``; returns the exit status."""
+    args = parser().parse_args(argv)
+    producers = None if not args.producer else ",".join(args.producer)
+    try:
+        report = check(
+            args.env, producers=producers, num_envs=args.num_envs, steps=args.steps,
+            seed=args.seed, max_episode_steps=args.max_episode_steps, clean=args.clean,
+            reproducer=args.reproducer, replay=args.replay,
+            progress=False if args.no_progress else None,
+        )  # fmt: skip
+        print(json.dumps(report.to_dict(), indent=1) if args.json else report)
+        if args.plot and report.producers:
+            report.plot(args.plot)
+            print(f"plot: {args.plot}")
+        return report.status
+    except CleanbufError as err:
+        print(f"cleanbuf check: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cleanbuf check: interrupted", file=sys.stderr)
+        return 2
+    except Exception as err:  # exit 1 means "a difference": anything else is 2
+        print(f"cleanbuf check: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+
