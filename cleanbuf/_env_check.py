@@ -175,6 +175,13 @@ def _advice(report: CheckReport) -> list[str]:
         if p.lost_why.get("end"):
             out.append(f"{p.producer}: {p.lost_why['end']} done row(s) on the last step: "
                        f"{report_.WHY_LOST['end']} (a longer run keeps them).")  # fmt: skip
+        if p.truncation_flags_lost:
+            out.append(
+                f"{p.producer}: {p.truncation_flags_lost} step(s) ended both ways (terminated "
+                "and truncated); its infos[i]['TimeLimit.truncated'] is set only when not "
+                "terminated, so those rows stay terminated, not truncated (harmless for "
+                "bootstrapping: a termination wins)."
+            )
         if p.truncation_as_termination:
             out.append(
                 f"{p.producer}: its dones flag {p.truncation_as_termination} truncation(s) as "
@@ -252,7 +259,7 @@ def _wrap(lines: list[str], width: int = 100) -> list[str]:
 
     out = []
     for line in lines:
-        if len(line) <= width or "|" in line:
+        if len(line) <= width or "|" in line or line.startswith(("Replay it: ", "Reproducer")):
             out.append(line)
         else:
             indent = "  " if line.startswith("  ") else ""

@@ -35,6 +35,9 @@ WHY_LOST = {
     "joint": "all envs done on the same step: TorchRL reset them together",
     "end": "done on the last step: the row that holds it was never collected",
 }
+# Stable-Baselines3 sets infos[i]["TimeLimit.truncated"] only when the step did not
+# also terminate: a step that did both comes back terminated, not truncated.
+SB3_BOTH = "sb3-dummy"
 
 
 @dataclasses.dataclass
@@ -61,6 +64,9 @@ class ProducerResult:
             count one each).
         lost: terminal observations lost for good (NaN after cleaning).
         lost_why: the count of lost ones by reason (a key of ``WHY_LOST``).
+        truncation_flags_lost: steps that both terminated and truncated
+            whose truncation the producer does not report (Stable-Baselines3);
+            not a difference of the cleaning.
         clean_seconds: the time the cleaning took.
         collect_seconds: the time the collection took.
         options: how the cleaning was configured (the filter's repr).
@@ -84,6 +90,7 @@ class ProducerResult:
     lost_why: dict
     clean_seconds: float
     collect_seconds: float
+    truncation_flags_lost: int = 0
     options: str = ""
     differences: list = dataclasses.field(default_factory=list)
 
@@ -185,7 +192,7 @@ def compare_cleaned(run: Any, cleaned: TensorDict, truth: TensorDict, limit: int
     """
     n_envs = truth.batch_size[0]
     ids = cleaned[STREAM].reshape(-1)
-    differ, lost, why, diffs = 0, 0, {}, []
+    differ, lost, why, diffs, flags_lost = 0, 0, {}, [], 0
     for e in range(n_envs):
         got = cleaned[ids == e]
         expected = int(run.real[e].sum())
@@ -214,6 +221,11 @@ def compare_cleaned(run: Any, cleaned: TensorDict, truth: TensorDict, limit: int
                         lost += 1
                         why[reason] = why.get(reason, 0) + 1
                         x[k] = y[k]  # lost, not different
+            if key == ("next", "truncated") and run.producer == SB3_BOTH:
+                both = (_flat(want, ("next", "terminated"), n) > 0).all(1) & (y > 0).all(1)
+                hidden = both & (x == 0).all(1)
+                flags_lost += int(hidden.sum())
+                x[hidden] = y[hidden]  # the producer never said it
             unlike = ~((x == y) | (np.isnan(x) & np.isnan(y))).all(1)
             for k in np.flatnonzero(unlike & ~bad)[: max(0, limit - len(diffs))]:
                 name = key if isinstance(key, str) else "/".join(key)
@@ -222,7 +234,8 @@ def compare_cleaned(run: Any, cleaned: TensorDict, truth: TensorDict, limit: int
             bad |= unlike
         differ += int(bad.sum())
     return {"cleaned_rows": int(len(cleaned)), "differ": differ, "lost": lost,
-            "lost_why": why, "differences": diffs[:limit]}  # fmt: skip
+            "lost_why": why, "differences": diffs[:limit],
+            "truncation_flags_lost": flags_lost}  # fmt: skip
 
 
 def first_truth_difference(a: TensorDict, b: TensorDict) -> str | None:
