@@ -1,4 +1,4 @@
-"""The ``cleanbuf`` command: ``check`` (:mod:`cleanbuf._env_check`), the rest :mod:`cleanbuf.offline.cli`.
+"""The ``cleanbuf`` command: ``check`` here, the others in :mod:`cleanbuf.offline.cli`.
 
 ``cleanbuf check ENV`` runs an env under each producer and against
 explicit resets; ``cleanbuf audit`` / ``cleanbuf clean`` (and the other

@@ -119,8 +119,12 @@ _COLUMNS = (
     ("term.obs", "NaN", 9, lambda p: p.terminal_nan),
     ("term.obs", "=reset", 9, lambda p: p.terminal_reset_obs + p.terminal_other),
     ("trunc.", "as term.", 9, lambda p: p.truncation_as_termination),
-    ("is_init/", "step wrong", 11, lambda p: "-" if p.wrong_init_or_step is None
-        else p.wrong_init_or_step),  # fmt: skip
+    (
+        "is_init/",
+        "step wrong",
+        11,
+        lambda p: "-" if p.wrong_init_or_step is None else p.wrong_init_or_step,
+    ),
 )
 _CLEANED = (
     ("", "rows", 6, lambda p: p.cleaned_rows),
@@ -134,8 +138,12 @@ def _table(report: CheckReport) -> list[str]:
     width = max([len("producer"), *(len(p.producer) for p in report.producers)]) + 1
     left = sum(w for *_, w, _ in _COLUMNS)
     right = sum(w for *_, w, _ in _CLEANED)
-    lines = [" " * width + " as stored ".center(left, "-") + " | "
-             + " cleaned by cleanbuf ".center(right, "-")]
+    lines = [
+        " " * width
+        + " as stored ".center(left, "-")
+        + " | "
+        + " cleaned by cleanbuf ".center(right, "-")
+    ]
     for row in (0, 1):
         head = ("producer" if row else "").ljust(width)
         head += "".join(c[row].rjust(c[2]) for c in _COLUMNS) + " | "
@@ -154,27 +162,33 @@ def _advice(report: CheckReport) -> list[str]:
     whole = [p.producer for p in ps if p.lost == 0]
     out = []
     if clean:
-        out.append(f"Prefer {', '.join(clean)}: nothing stored wrong, nothing to clean "
-                   "(AutoresetFilter.for_env(env) passes its rows through, checked).")  # fmt: skip
+        out.append(
+            f"Prefer {', '.join(clean)}: nothing stored wrong, nothing to clean "
+            "(AutoresetFilter.for_env(env) passes its rows through, checked)."
+        )
     elif whole:
         out.append(f"Prefer {', '.join(whole)}: cleaned, nothing is lost.")
     needs = [p for p in ps if p.stored_wrong and p.lost == 0 and not p.differ]
     if needs:
         names = ", ".join(p.producer for p in needs)
-        out.append(f"{names}: give the buffer transform=AutoresetFilter.for_env(env) (on-policy "
-                   "batches: RolloutRepair.for_env(env)); every row comes back as the truth's.")  # fmt: skip
+        out.append(
+            f"{names}: give the buffer transform=AutoresetFilter.for_env(env) (on-policy "
+            "batches: RolloutRepair.for_env(env)); every row comes back as the truth's."
+        )
     for p in ps:
         if p.lost_why.get("joint"):
             out.append(
                 f"{p.producer}: {p.lost_why['joint']} terminal observation(s) lost for good "
                 f"({report_.WHY_LOST['joint']}; fixed-horizon tasks: every episode). Use "
                 f"cleanbuf.lossless_gym_env(name, num_envs={report.num_envs}) instead, or "
-                "AutoresetFilter.for_env(env, on_lost_terminal_obs=\"drop\") to leave those "
+                'AutoresetFilter.for_env(env, on_lost_terminal_obs="drop") to leave those '
                 "rows out."
             )
         if p.lost_why.get("end"):
-            out.append(f"{p.producer}: {p.lost_why['end']} done row(s) on the last step: "
-                       f"{report_.WHY_LOST['end']} (a longer run keeps them).")  # fmt: skip
+            out.append(
+                f"{p.producer}: {p.lost_why['end']} done row(s) on the last step: "
+                f"{report_.WHY_LOST['end']} (a longer run keeps them)."
+            )
         if p.truncation_flags_lost:
             out.append(
                 f"{p.producer}: {p.truncation_flags_lost} step(s) ended both ways (terminated "
@@ -204,15 +218,23 @@ def _verdict(report: CheckReport) -> list[str]:
     lost = sum(p.lost for p in report.producers)
     if report.status == 0:
         note = f" ({lost} lost terminal observation(s) marked NaN, counted above)" if lost else ""
-        return [f"Verdict: in every producer the cleaned rows equal the explicit-reset run, row "
-                f"for row within each env{note}. Exit 0."]  # fmt: skip
+        return [
+            f"Verdict: in every producer the cleaned rows equal the explicit-reset run, row "
+            f"for row within each env{note}. Exit 0."
+        ]
     bad = [p for p in report.producers if p.differ]
-    lines = ["DIFFERENCE: " + "; ".join(
-        f"{p.producer}: {p.differ} cleaned row(s) unlike the explicit-reset run" for p in bad)]
+    lines = [
+        "DIFFERENCE: "
+        + "; ".join(
+            f"{p.producer}: {p.differ} cleaned row(s) unlike the explicit-reset run" for p in bad
+        )
+    ]
     for p in bad:
         for d in p.differences[:3]:
-            lines.append(f"  {p.producer}, env {d['env']}, row {d['row']}, {d['key']}: "
-                         f"want {_short(d['want'])}, got {_short(d['got'])}")  # fmt: skip
+            lines.append(
+                f"  {p.producer}, env {d['env']}, row {d['row']}, {d['key']}: "
+                f"want {_short(d['want'])}, got {_short(d['got'])}"
+            )
     if report.reproducer:
         lines.append(f"Reproducer written: {report.reproducer}")
         lines.append(f"Replay it: {report.replay}")
@@ -221,7 +243,9 @@ def _verdict(report: CheckReport) -> list[str]:
 
 def _short(value: Any) -> str:
     if isinstance(value, list):
-        return "[" + ", ".join(f"{v:.4g}" for v in value[:4]) + (", ...]" if len(value) > 4 else "]")
+        return (
+            "[" + ", ".join(f"{v:.4g}" for v in value[:4]) + (", ...]" if len(value) > 4 else "]")
+        )
     return str(value)
 
 
@@ -237,12 +261,16 @@ def _render(report: CheckReport) -> list[str]:
     if report.status == 3:
         return [*lines, "", *_verdict(report)]
     lines += ["", *_table(report), ""]
-    lines.append("as stored: reset rows = bogus rows of a reset step; term.obs = a done row's next "
-                 "observation zero-filled, NaN, or the next episode's first one; trunc. as term. = "
-                 "truncations flagged as terminations; is_init/step wrong = rows whose is_init or "
-                 "step_count differ from the truth (-: not stored).")  # fmt: skip
-    lines.append(f"cleaned by {report.cleaning}: rows that differ from the truth (0 expected), "
-                 "terminal observations lost for good (NaN), the time the cleaning took.")  # fmt: skip
+    lines.append(
+        "as stored: reset rows = bogus rows of a reset step; term.obs = a done row's next "
+        "observation zero-filled, NaN, or the next episode's first one; trunc. as term. = "
+        "truncations flagged as terminations; is_init/step wrong = rows whose is_init or "
+        "step_count differ from the truth (-: not stored)."
+    )
+    lines.append(
+        f"cleaned by {report.cleaning}: rows that differ from the truth (0 expected), "
+        "terminal observations lost for good (NaN), the time the cleaning took."
+    )
     lines.append("")
     for p in report.producers:
         lines.append(f"{p.producer}: {p.description}; {p.options}")
@@ -263,8 +291,9 @@ def _wrap(lines: list[str], width: int = 100) -> list[str]:
             out.append(line)
         else:
             indent = "  " if line.startswith("  ") else ""
-            out += textwrap.wrap(line, width, subsequent_indent=indent + "  ",
-                                 break_on_hyphens=False)
+            out += textwrap.wrap(
+                line, width, subsequent_indent=indent + "  ", break_on_hyphens=False
+            )
     return out
 
 
@@ -335,8 +364,14 @@ def _producers(producers: Sequence[str] | str | None) -> tuple[list[str], dict]:
 def _progress(enabled: bool | None, total: int):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="cleanbuf check", unit="step", file=sys.stderr,
-                disable=None if enabled is None else not enabled, leave=False)  # fmt: skip
+    return tqdm(
+        total=total,
+        desc="cleanbuf check",
+        unit="step",
+        file=sys.stderr,
+        disable=None if enabled is None else not enabled,
+        leave=False,
+    )
 
 
 def _options_of(env: Any) -> str:
@@ -382,9 +417,14 @@ def _run_one(name, source, settings, actions, truth, clean_fn, tick) -> Any:
     stored = report_.count_stored(run, truth)
     compared = report_.compare_cleaned(run, cleaned, truth)
     result = report_.ProducerResult(
-        producer=name, description=runs_.PRODUCERS[name][0], **stored, **compared,
-        clean_seconds=seconds, collect_seconds=run.seconds, options=options,
-    )  # fmt: skip
+        producer=name,
+        description=runs_.PRODUCERS[name][0],
+        **stored,
+        **compared,
+        clean_seconds=seconds,
+        collect_seconds=run.seconds,
+        options=options,
+    )
     return result, _timeline(run.rows[0], run.real[0], 400)
 
 
@@ -452,7 +492,8 @@ def check(
         >>> report = cleanbuf.check("CartPole-v1", producers="gym-next-step", steps=60)
         >>> report.status, report.producers[0].differ
         (0, 0)
-        >>> report.producers[0].reset_rows == report.producers[0].rows - report.producers[0].cleaned_rows
+        >>> p = report.producers[0]
+        >>> p.reset_rows == p.rows - p.cleaned_rows
         True
     """
     clean_fn, clean_name, clean_ref = _clean_fn(clean)
@@ -476,15 +517,32 @@ def check(
         bar.update(2 * steps)
         ends = truth["next", "done"]
         trunc = truth["next", "truncated"] & ~truth["next", "terminated"]
-        out = CheckReport(env, num_envs, steps, seed, max_episode_steps, int(ends.sum()),
-                          int(trunc.sum()), [], not_run,
-                          report_.first_truth_difference(truth, again), clean_name)  # fmt: skip
+        out = CheckReport(
+            env,
+            num_envs,
+            steps,
+            seed,
+            max_episode_steps,
+            int(ends.sum()),
+            int(trunc.sum()),
+            [],
+            not_run,
+            report_.first_truth_difference(truth, again),
+            clean_name,
+        )
         if out.not_reproducible is not None:
             return out
         out.timelines["truth"] = _timeline(truth[0], None, 400)
         for name in names:
-            result, timeline = _run_one(name, source, (num_envs, steps, seed), actions, truth,
-                                        clean_fn, lambda: bar.update(1))  # fmt: skip
+            result, timeline = _run_one(
+                name,
+                source,
+                (num_envs, steps, seed),
+                actions,
+                truth,
+                clean_fn,
+                lambda: bar.update(1),
+            )
             out.producers.append(result)
             out.timelines[name] = timeline
     if out.status == 1:
@@ -494,8 +552,11 @@ def check(
 
 def _write_reproducer(report: CheckReport, actions: np.ndarray, clean_ref, path, replay) -> None:
     if path is None:
-        path = replay if replay is not None else (
-            "cleanbuf-check-" + re.sub(r"[^\w.-]+", "_", report.env) + ".json")  # fmt: skip
+        path = (
+            replay
+            if replay is not None
+            else ("cleanbuf-check-" + re.sub(r"[^\w.-]+", "_", report.env) + ".json")
+        )
     path = os.fspath(path)
     bad = [p for p in report.producers if p.differ]
     saved = {
@@ -557,10 +618,18 @@ def parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("env", nargs="?", default="CartPole-v1",
-                   help="a Gymnasium id or package.module:function (default: CartPole-v1)")  # fmt: skip
-    p.add_argument("--producer", action="append", metavar="NAME",
-                   help="a producer (repeat, or comma-separated; 'all': every one)")  # fmt: skip
+    p.add_argument(
+        "env",
+        nargs="?",
+        default="CartPole-v1",
+        help="a Gymnasium id or package.module:function (default: CartPole-v1)",
+    )
+    p.add_argument(
+        "--producer",
+        action="append",
+        metavar="NAME",
+        help="a producer (repeat, or comma-separated; 'all': every one)",
+    )
     p.add_argument("--num-envs", type=int, default=4, help="sub-envs (default: 4)")
     p.add_argument("--steps", type=int, default=300, help="steps per producer (default: 300)")
     p.add_argument("--seed", type=int, default=0, help="sub-env e starts at seed + e (default: 0)")
@@ -569,8 +638,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--reproducer", metavar="FILE", help="where a difference's reproducer goes")
     p.add_argument("--replay", metavar="FILE", help="run a reproducer again")
-    p.add_argument("--clean", metavar="MODULE:FUNCTION",
-                   help="the cleaning to check, (batches, env) -> rows (default: the filter)")  # fmt: skip
+    p.add_argument(
+        "--clean",
+        metavar="MODULE:FUNCTION",
+        help="the cleaning to check, (batches, env) -> rows (default: the filter)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -581,11 +653,17 @@ def main(argv: list[str] | None = None) -> int:
     producers = None if not args.producer else ",".join(args.producer)
     try:
         report = check(
-            args.env, producers=producers, num_envs=args.num_envs, steps=args.steps,
-            seed=args.seed, max_episode_steps=args.max_episode_steps, clean=args.clean,
-            reproducer=args.reproducer, replay=args.replay,
+            args.env,
+            producers=producers,
+            num_envs=args.num_envs,
+            steps=args.steps,
+            seed=args.seed,
+            max_episode_steps=args.max_episode_steps,
+            clean=args.clean,
+            reproducer=args.reproducer,
+            replay=args.replay,
             progress=False if args.no_progress else None,
-        )  # fmt: skip
+        )
         print(json.dumps(report.to_dict(), indent=1) if args.json else report)
         if args.plot and report.producers:
             report.plot(args.plot)
@@ -600,4 +678,3 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # exit 1 means "a difference": anything else is 2
         print(f"cleanbuf check: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
-

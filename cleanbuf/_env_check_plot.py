@@ -52,8 +52,9 @@ def _panel(ax: Any, name: str, timeline: dict, truth_terms: list, seen: set) -> 
         kind = _kind(stored, truth_terms[i] if i < len(truth_terms) else None)
         color, marker, label = _STYLE[kind]
         y = 0.0 if kind == "nan" else stored
-        ax.plot([t + 0.5], [y], marker=marker, color=color, ls="",
-                label=None if kind in seen else label)  # fmt: skip
+        ax.plot(
+            [t + 0.5], [y], marker=marker, color=color, ls="", label=None if kind in seen else label
+        )
         seen.add(kind)
     ax.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=8)
     ax.tick_params(labelsize=7)
@@ -71,15 +72,19 @@ def figure(report: Any):
     import matplotlib.pyplot as plt
 
     names = list(report.timelines)
-    fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.3 * len(names) + 1.0), sharex=True,
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        len(names), 1, figsize=(11, 1.3 * len(names) + 1.0), sharex=True, squeeze=False
+    )
     truth_terms = _terminals(report.timelines["truth"])
     seen: set = set()
     for ax, name in zip(axes[:, 0], names):
         _panel(ax, name, report.timelines[name], truth_terms, seen)
     axes[-1, 0].set_xlabel("env 0's rows as stored; line: observation[0]")
     fig.legend(loc="upper center", ncols=5, fontsize=8, bbox_to_anchor=(0.5, 0.995))
-    fig.suptitle(f"cleanbuf check {report.env}: env 0 as stored, against the truth (top)",
-                 y=0.955, fontsize=10)  # fmt: skip
+    fig.suptitle(
+        f"cleanbuf check {report.env}: env 0 as stored, against the truth (top)",
+        y=0.955,
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     return fig

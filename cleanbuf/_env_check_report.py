@@ -97,9 +97,15 @@ class ProducerResult:
     @property
     def stored_wrong(self) -> int:
         """Rows stored wrong in any way the table counts."""
-        return (self.reset_rows + self.terminal_zero + self.terminal_nan + self.terminal_reset_obs
-                + self.terminal_other + self.truncation_as_termination
-                + (self.wrong_init_or_step or 0))  # fmt: skip
+        return (
+            self.reset_rows
+            + self.terminal_zero
+            + self.terminal_nan
+            + self.terminal_reset_obs
+            + self.terminal_other
+            + self.truncation_as_termination
+            + (self.wrong_init_or_step or 0)
+        )
 
 
 def _flat(td: TensorDict, key: Any, n: int) -> np.ndarray:
@@ -128,9 +134,16 @@ def count_stored(run: Any, truth: TensorDict) -> dict:
         The stored-side fields of :class:`ProducerResult`.
     """
     n_envs = truth.batch_size[0]
-    out = {"rows": int(run.real.size), "reset_rows": int((~run.real).sum()), "done_rows": 0,
-           "terminal_zero": 0, "terminal_nan": 0, "terminal_reset_obs": 0, "terminal_other": 0,
-           "truncation_as_termination": 0}  # fmt: skip
+    out = {
+        "rows": int(run.real.size),
+        "reset_rows": int((~run.real).sum()),
+        "done_rows": 0,
+        "terminal_zero": 0,
+        "terminal_nan": 0,
+        "terminal_reset_obs": 0,
+        "terminal_other": 0,
+        "truncation_as_termination": 0,
+    }
     keys = set(run.rows.keys(True, True))
     bookkeeping = "is_init" in keys and "step_count" in keys
     wrong_book = 0
@@ -199,8 +212,7 @@ def compare_cleaned(run: Any, cleaned: TensorDict, truth: TensorDict, limit: int
         n = min(len(got), expected)
         if len(got) != expected:
             differ += abs(len(got) - expected)
-            diffs.append({"env": e, "row": n, "key": "rows",
-                          "want": expected, "got": len(got)})  # fmt: skip
+            diffs.append({"env": e, "row": n, "key": "rows", "want": expected, "got": len(got)})
         got, want = got[:n], truth[e][:n]
         bad = np.zeros(n, bool)
         keys = set(got.keys(True, True))
@@ -229,13 +241,25 @@ def compare_cleaned(run: Any, cleaned: TensorDict, truth: TensorDict, limit: int
             unlike = ~((x == y) | (np.isnan(x) & np.isnan(y))).all(1)
             for k in np.flatnonzero(unlike & ~bad)[: max(0, limit - len(diffs))]:
                 name = key if isinstance(key, str) else "/".join(key)
-                diffs.append({"env": e, "row": int(k), "key": name,
-                              "want": y[k].tolist(), "got": x[k].tolist()})  # fmt: skip
+                diffs.append(
+                    {
+                        "env": e,
+                        "row": int(k),
+                        "key": name,
+                        "want": y[k].tolist(),
+                        "got": x[k].tolist(),
+                    }
+                )
             bad |= unlike
         differ += int(bad.sum())
-    return {"cleaned_rows": int(len(cleaned)), "differ": differ, "lost": lost,
-            "lost_why": why, "differences": diffs[:limit],
-            "truncation_flags_lost": flags_lost}  # fmt: skip
+    return {
+        "cleaned_rows": int(len(cleaned)),
+        "differ": differ,
+        "lost": lost,
+        "lost_why": why,
+        "differences": diffs[:limit],
+        "truncation_flags_lost": flags_lost,
+    }
 
 
 def first_truth_difference(a: TensorDict, b: TensorDict) -> str | None:

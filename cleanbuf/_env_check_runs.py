@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import importlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,17 +41,25 @@ PRODUCERS = {
     "envpool": ("EnvPool", "envpool"),
 }
 # What runs when no producer is named: the ones that start no process.
-DEFAULT_PRODUCERS = ("gym-next-step", "gym-same-step", "torchrl-gymenv", "torchrl-serial",
-                     "sb3-dummy")  # fmt: skip
+DEFAULT_PRODUCERS = (
+    "gym-next-step",
+    "gym-same-step",
+    "torchrl-gymenv",
+    "torchrl-serial",
+    "sb3-dummy",
+)
 ENVPOOL_WHY = (
     "EnvPool runs its own C++ version of an env, not a Gymnasium factory, with its own "
     "random numbers, and always auto-resets: no explicit-reset run of the same env exists "
     "to compare with, so no truth can be built for it. Check data EnvPool produced with "
     "`cleanbuf audit`; AutoresetFilter.for_env(envpool_env) cleans it (next-step)."
 )
-_PIP = {"gymnasium": "gymnasium (pip install 'cleanbuf[gym]')",
-        "stable_baselines3": "stable-baselines3 (pip install stable-baselines3)",
-        "envpool": "envpool (pip install envpool)", "torchrl": "torchrl"}  # fmt: skip
+_PIP = {
+    "gymnasium": "gymnasium (pip install 'cleanbuf[gym]')",
+    "stable_baselines3": "stable-baselines3 (pip install stable-baselines3)",
+    "envpool": "envpool (pip install envpool)",
+    "torchrl": "torchrl",
+}
 
 
 def installed(package: str) -> bool:
@@ -112,7 +120,11 @@ class EnvSource:
         g = gym()
         fn = self.factory()
         if fn is None:
-            limit = {} if self.max_episode_steps is None else {"max_episode_steps": self.max_episode_steps}
+            limit = (
+                {}
+                if self.max_episode_steps is None
+                else {"max_episode_steps": self.max_episode_steps}
+            )
             return g.make(self.name, **limit)
         env = fn()
         if not isinstance(env, g.Env):
@@ -125,7 +137,7 @@ class EnvSource:
         return env
 
     def probe(self) -> tuple[Any, Any]:
-        """``(single observation space, single action space)``; raises when the env cannot be built."""
+        """``(observation space, action space)`` of one sub-env; raises if it cannot be built."""
         try:
             env = self.make()
         except CleanbufError:
@@ -258,8 +270,9 @@ def run_truth(source: EnvSource, num_envs: int, steps: int, seed: int, actions: 
         for t in range(steps):
             action = actions[:, t]
             next_obs, reward, terminated, truncated, _ = venv.step(action)
-            row = step_rows(obs, action, next_obs, reward, terminated, truncated,
-                            env_ids=True, reset=first)  # fmt: skip
+            row = step_rows(
+                obs, action, next_obs, reward, terminated, truncated, env_ids=True, reset=first
+            )
             row["step_count"] = torch.from_numpy(count.copy()).reshape(-1, 1)
             rows.append(row)
             done = np.asarray(terminated) | np.asarray(truncated)
@@ -304,8 +317,9 @@ def _gym_loop(source, num_envs, steps, seed, actions, same_step: bool, tick) -> 
         is_real = ~pending
         action = take.take(is_real)
         next_obs, reward, terminated, truncated, info = venv.step(action)
-        batches.append(step_rows(obs, action, next_obs, reward, terminated, truncated, info,
-                                 env_ids=True))  # fmt: skip
+        batches.append(
+            step_rows(obs, action, next_obs, reward, terminated, truncated, info, env_ids=True)
+        )
         real.append(is_real)
         done = np.asarray(terminated) | np.asarray(truncated)
         pending = done if not same_step else np.zeros_like(done)
@@ -313,9 +327,16 @@ def _gym_loop(source, num_envs, steps, seed, actions, same_step: bool, tick) -> 
         tick()
     rows = torch.stack(batches, dim=1)
     name = "gym-same-step" if same_step else "gym-next-step"
-    return Run(name, batches, rows, np.stack(real, 1), np.zeros(steps, bool),
-               rows["next", "terminated"].reshape(num_envs, steps).numpy(), venv,
-               time.perf_counter() - start)  # fmt: skip
+    return Run(
+        name,
+        batches,
+        rows,
+        np.stack(real, 1),
+        np.zeros(steps, bool),
+        rows["next", "terminated"].reshape(num_envs, steps).numpy(),
+        venv,
+        time.perf_counter() - start,
+    )
 
 
 def _torchrl_action(td: TensorDict, env: Any, action: np.ndarray) -> None:
@@ -360,7 +381,9 @@ def _gym_env_in_process(source: EnvSource, num_envs: int, seed: int) -> Any:
         name = "cleanbuf_check/" + source.name.replace(":", ".").replace("/", ".") + "-v0"
         if name not in g.registry:
             g.register(name, entry_point=source.factory())
-    limit = {} if source.max_episode_steps is None else {"max_episode_steps": source.max_episode_steps}
+    limit = (
+        {} if source.max_episode_steps is None else {"max_episode_steps": source.max_episode_steps}
+    )
     env = InProcessGymEnv(name, num_envs=num_envs, categorical_action_encoding=True, **limit)
     for sub in made:  # GymEnv stepped them to read the info specs: start again
         sub.restart()
@@ -371,8 +394,14 @@ def _torchrl_loop(producer, source, num_envs, steps, seed, actions, tick) -> Run
     import logging
     import warnings
 
-    from torchrl.envs import Compose, InitTracker, ParallelEnv, SerialEnv, StepCounter
-    from torchrl.envs import TransformedEnv
+    from torchrl.envs import (
+        Compose,
+        InitTracker,
+        ParallelEnv,
+        SerialEnv,
+        StepCounter,
+        TransformedEnv,
+    )
 
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     with warnings.catch_warnings():
@@ -407,8 +436,16 @@ def _torchrl_loop(producer, source, num_envs, steps, seed, actions, tick) -> Run
     data = torch.stack(rows, dim=1)
     batches = [data[:, t : t + BATCH_STEPS] for t in range(0, steps, BATCH_STEPS)]
     term = data["next", "terminated"].reshape(num_envs, steps).numpy()
-    return Run(producer, batches, data, np.stack(real, 1), np.array(joint), term, env,
-               time.perf_counter() - start)  # fmt: skip
+    return Run(
+        producer,
+        batches,
+        data,
+        np.stack(real, 1),
+        np.array(joint),
+        term,
+        env,
+        time.perf_counter() - start,
+    )
 
 
 def _sb3_loop(source, num_envs, steps, seed, actions, tick) -> Run:
@@ -429,9 +466,16 @@ def _sb3_loop(source, num_envs, steps, seed, actions, tick) -> Run:
         obs = next_obs
         tick()
     rows = torch.stack(batches, dim=1)
-    return Run("sb3-dummy", batches, rows, np.ones((num_envs, steps), bool),
-               np.zeros(steps, bool), np.stack(dones, 1), venv,
-               time.perf_counter() - start)  # fmt: skip
+    return Run(
+        "sb3-dummy",
+        batches,
+        rows,
+        np.ones((num_envs, steps), bool),
+        np.zeros(steps, bool),
+        np.stack(dones, 1),
+        venv,
+        time.perf_counter() - start,
+    )
 
 
 def run_producer(

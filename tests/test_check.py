@@ -107,8 +107,13 @@ def _same_as_explicit_resets(cleaned, explicit):
         got = cleaned[ids == e]
         n = len(got)
         want = explicit[e][:n]
-        for key in ("observation", ("next", "observation"), ("next", "reward"),
-                    ("next", "terminated"), ("next", "truncated")):  # fmt: skip
+        for key in (
+            "observation",
+            ("next", "observation"),
+            ("next", "reward"),
+            ("next", "terminated"),
+            ("next", "truncated"),
+        ):
             x, y = _obs(got, key), _obs(want, key)
             lost = torch.isnan(x).any(-1)
             n_lost += int(lost.sum()) if key == ("next", "observation") else 0
@@ -185,8 +190,17 @@ def test_custom_factory_from_the_command_line(capsys, monkeypatch, tmp_path):
     called a difference of the cleaning.
     """
     monkeypatch.chdir(tmp_path)  # where a reproducer would go
-    status = main(["check", "tests.check_envs:make_walk", "--steps", "120", "--producer",
-                   ",".join(IN_PROCESS), "--no-progress"])  # fmt: skip
+    status = main(
+        [
+            "check",
+            "tests.check_envs:make_walk",
+            "--steps",
+            "120",
+            "--producer",
+            ",".join(IN_PROCESS),
+            "--no-progress",
+        ]
+    )
     out, err = capsys.readouterr()
     assert status == 0, out + err
     truth = re.search(r"(\d+)\s+episode\s+ends\s+\((\d+)\s+truncations\)", out)
@@ -199,8 +213,9 @@ def test_an_env_whose_reset_ignores_its_seed_exits_3(capsys, monkeypatch, tmp_pa
     anyway (a difference blamed on the cleaning, exit 1) or called clean.
     """
     monkeypatch.chdir(tmp_path)
-    status = main(["check", "tests.check_envs:make_unseeded_walk", "--steps", "60",
-                   "--no-progress"])  # fmt: skip
+    status = main(
+        ["check", "tests.check_envs:make_unseeded_walk", "--steps", "60", "--no-progress"]
+    )
     out = capsys.readouterr().out
     assert status == 3, out
     assert "not reproducible under seeds" in out and "self.np_random" in out
@@ -246,8 +261,20 @@ def test_a_broken_cleaning_exits_1_with_a_reproducer_that_replays(tmp_path, caps
     """
     path = tmp_path / "repro.json"
     hook = "tests.check_envs:keeps_one_reset_row"
-    status = main(["check", "--producer", "gym-next-step", "--steps", "80", "--clean", hook,
-                   "--reproducer", str(path), "--no-progress"])  # fmt: skip
+    status = main(
+        [
+            "check",
+            "--producer",
+            "gym-next-step",
+            "--steps",
+            "80",
+            "--clean",
+            hook,
+            "--reproducer",
+            str(path),
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 1, out
     assert "DIFFERENCE: gym-next-step" in out and str(path) in out
@@ -311,8 +338,14 @@ def test_the_readme_shows_the_command_and_its_output():
     assert command.startswith("$ cleanbuf check")
     args = command.removeprefix("$ cleanbuf ").split()
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-m", "cleanbuf", *args], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=240)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "cleanbuf", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr
 
     def norm(lines):
