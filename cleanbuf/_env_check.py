@@ -98,7 +98,7 @@ class CheckReport:
         return out
 
     def __str__(self) -> str:
-        return "\n".join(_render(self))
+        return "\n".join(line.rstrip() for line in _render(self))
 
     def plot(self, path: str) -> None:
         """Draws env 0's rows as each producer stored them, against the truth (matplotlib)."""
@@ -253,8 +253,8 @@ def _render(report: CheckReport) -> list[str]:
     limit = "" if report.max_episode_steps is None else f", time limit {report.max_episode_steps}"
     lines = [
         f"cleanbuf check {report.env}: {report.num_envs} envs x {report.steps} steps, seed "
-        f"{report.seed}{limit}, random actions (each env's the same in all runs)",
-        f"truth: the same envs with explicit resets (Gymnasium AutoresetMode.DISABLED): "
+        f"{report.seed}{limit}, seeded random actions",
+        f"truth (explicit resets, same seeds and actions): "
         f"{report.num_envs * report.steps} rows, {report.truth_episode_ends} episode ends "
         f"({report.truth_truncations} truncations)",
     ]
@@ -268,7 +268,8 @@ def _render(report: CheckReport) -> list[str]:
         "step_count differ from the truth (-: not stored)."
     )
     lines.append(
-        f"cleaned by {report.cleaning}: rows that differ from the truth (0 expected), "
+        f"cleaned by {report.cleaning}: rows that differ from the truth (the same "
+            "envs under Gymnasium AutoresetMode.DISABLED; 0 expected), "
         "terminal observations lost for good (NaN), the time the cleaning took."
     )
     lines.append("")

@@ -349,6 +349,6 @@ def test_the_readme_shows_the_command_and_its_output():
     assert done.returncode == 0, done.stderr
 
     def norm(lines):
-        return [re.sub(r"\d+ ms", "N ms", line).rstrip() for line in lines if line.strip()]
+        return [" ".join(re.sub(r"\d+ ms", "N ms", line).split()) for line in lines if line.strip()]
 
     assert norm(done.stdout.splitlines()) == norm(shown)
