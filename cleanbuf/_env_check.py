@@ -111,47 +111,46 @@ class CheckReport:
         plt.close(fig)
 
 
-# The table: (first header line, second header line, width, value).
+# The table: (header, width, value).
 _COLUMNS = (
-    ("", "rows", 6, lambda p: p.rows),
-    ("reset", "rows", 6, lambda p: p.reset_rows),
-    ("term.obs", "zeroed", 9, lambda p: p.terminal_zero),
-    ("term.obs", "NaN", 9, lambda p: p.terminal_nan),
-    ("term.obs", "=reset", 9, lambda p: p.terminal_reset_obs + p.terminal_other),
-    ("trunc.", "as term.", 9, lambda p: p.truncation_as_termination),
-    (
-        "is_init/",
-        "step wrong",
-        11,
-        lambda p: "-" if p.wrong_init_or_step is None else p.wrong_init_or_step,
-    ),
+    ("rows", 6, lambda p: p.rows),
+    ("reset", 6, lambda p: p.reset_rows),
+    ("zeroed", 7, lambda p: p.terminal_zero),
+    ("NaN", 5, lambda p: p.terminal_nan),
+    ("=reset", 7, lambda p: p.terminal_reset_obs + p.terminal_other),
+    ("trunc>term", 11, lambda p: p.truncation_as_termination),
+    ("init/step", 10, lambda p: "-" if p.wrong_init_or_step is None else p.wrong_init_or_step),
 )
 _CLEANED = (
-    ("", "rows", 6, lambda p: p.cleaned_rows),
-    ("", "differ", 7, lambda p: p.differ),
-    ("", "lost", 6, lambda p: p.lost),
-    ("", "time", 9, lambda p: f"{p.clean_seconds * 1e3:.0f} ms"),
+    ("rows", 6, lambda p: p.cleaned_rows),
+    ("differ", 7, lambda p: p.differ),
+    ("lost", 5, lambda p: p.lost),
+    ("time", 8, lambda p: f"{p.clean_seconds * 1e3:.0f} ms"),
+)
+LEGEND = (
+    "reset: bogus reset rows; zeroed / NaN / =reset: done rows whose next observation is "
+    "zero-filled, NaN or the next episode's first, not the terminal one; trunc>term: "
+    "truncations flagged as terminations; init/step: rows with a wrong is_init or step_count "
+    "(-: none stored); differ: cleaned rows unlike the truth (0 expected); lost: terminal "
+    "observations lost for good (NaN); time: the cleaning's."
 )
 
 
 def _table(report: CheckReport) -> list[str]:
     width = max([len("producer"), *(len(p.producer) for p in report.producers)]) + 1
-    left = sum(w for *_, w, _ in _COLUMNS)
-    right = sum(w for *_, w, _ in _CLEANED)
+    left = sum(w for _, w, _ in _COLUMNS)
+    right = sum(w for _, w, _ in _CLEANED)
     lines = [
         " " * width
         + " as stored ".center(left, "-")
         + " | "
         + " cleaned by cleanbuf ".center(right, "-")
     ]
-    for row in (0, 1):
-        head = ("producer" if row else "").ljust(width)
-        head += "".join(c[row].rjust(c[2]) for c in _COLUMNS) + " | "
-        head += "".join(c[row].rjust(c[2]) for c in _CLEANED)
-        lines.append(head)
+    head = "producer".ljust(width) + "".join(c[0].rjust(c[1]) for c in _COLUMNS)
+    lines.append(head + " | " + "".join(c[0].rjust(c[1]) for c in _CLEANED))
     for p in report.producers:
-        line = p.producer.ljust(width) + "".join(str(c[3](p)).rjust(c[2]) for c in _COLUMNS)
-        lines.append(line + " | " + "".join(str(c[3](p)).rjust(c[2]) for c in _CLEANED))
+        line = p.producer.ljust(width) + "".join(str(c[2](p)).rjust(c[1]) for c in _COLUMNS)
+        lines.append(line + " | " + "".join(str(c[2](p)).rjust(c[1]) for c in _CLEANED))
     return lines
 
 
@@ -162,18 +161,15 @@ def _advice(report: CheckReport) -> list[str]:
     whole = [p.producer for p in ps if p.lost == 0]
     out = []
     if clean:
-        out.append(
-            f"Prefer {', '.join(clean)}: nothing stored wrong, nothing to clean "
-            "(AutoresetFilter.for_env(env) passes its rows through, checked)."
-        )
+        out.append(f"Prefer {', '.join(clean)}: nothing stored wrong, nothing to clean.")
     elif whole:
         out.append(f"Prefer {', '.join(whole)}: cleaned, nothing is lost.")
     needs = [p for p in ps if p.stored_wrong and p.lost == 0 and not p.differ]
     if needs:
         names = ", ".join(p.producer for p in needs)
         out.append(
-            f"{names}: give the buffer transform=AutoresetFilter.for_env(env) (on-policy "
-            "batches: RolloutRepair.for_env(env)); every row comes back as the truth's."
+            f"{names}: pass transform=AutoresetFilter.for_env(env) to the buffer "
+            "(on-policy: RolloutRepair.for_env(env)); it gives back the truth's rows."
         )
     for p in ps:
         if p.lost_why.get("joint"):
@@ -219,8 +215,8 @@ def _verdict(report: CheckReport) -> list[str]:
     if report.status == 0:
         note = f" ({lost} lost terminal observation(s) marked NaN, counted above)" if lost else ""
         return [
-            f"Verdict: in every producer the cleaned rows equal the explicit-reset run, row "
-            f"for row within each env{note}. Exit 0."
+            f"Verdict: every producer's cleaned rows equal the explicit-reset run, row for "
+            f"row within each env{note}. Exit 0."
         ]
     bad = [p for p in report.producers if p.differ]
     lines = [
@@ -260,21 +256,11 @@ def _render(report: CheckReport) -> list[str]:
     ]
     if report.status == 3:
         return [*lines, "", *_verdict(report)]
-    lines += ["", *_table(report), ""]
-    lines.append(
-        "as stored: reset rows = bogus rows of a reset step; term.obs = a done row's next "
-        "observation zero-filled, NaN, or the next episode's first one; trunc. as term. = "
-        "truncations flagged as terminations; is_init/step wrong = rows whose is_init or "
-        "step_count differ from the truth (-: not stored)."
-    )
-    lines.append(
-        f"cleaned by {report.cleaning}: rows that differ from the truth (the same "
-            "envs under Gymnasium AutoresetMode.DISABLED; 0 expected), "
-        "terminal observations lost for good (NaN), the time the cleaning took."
-    )
-    lines.append("")
-    for p in report.producers:
-        lines.append(f"{p.producer}: {p.description}; {p.options}")
+    lines += ["", *_table(report), "", LEGEND]
+    if report.cleaning != "AutoresetFilter.for_env(producer)":
+        lines.append(f"cleaned by {report.cleaning}")
+    named = "; ".join(f"{p.producer}: {p.description}" for p in report.producers)
+    lines += ["", f"{named}."]
     for name, why in report.not_run.items():
         lines.append(f"{name}: not run: {why}")
     lines.append("")

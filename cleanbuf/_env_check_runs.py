@@ -32,11 +32,11 @@ BATCH_STEPS = 64  # steps per [E, T] batch of the TorchRL producers (a collector
 
 # name -> (what it is, the package it needs)
 PRODUCERS = {
-    "gym-next-step": ("Gymnasium SyncVectorEnv, next-step auto-reset (its default)", "gymnasium"),
-    "gym-same-step": ("Gymnasium SyncVectorEnv, same-step auto-reset", "gymnasium"),
-    "torchrl-gymenv": ("TorchRL GymEnv(name, num_envs=N), sub-envs in this process", "torchrl"),
-    "torchrl-serial": ("TorchRL SerialEnv of N single GymEnvs", "torchrl"),
-    "torchrl-parallel": ("TorchRL ParallelEnv of N single GymEnvs (N processes)", "torchrl"),
+    "gym-next-step": ("Gymnasium vector env, next-step (its default)", "gymnasium"),
+    "gym-same-step": ("the same, same-step", "gymnasium"),
+    "torchrl-gymenv": ("TorchRL GymEnv(name, num_envs=N)", "torchrl"),
+    "torchrl-serial": ("TorchRL SerialEnv of single GymEnvs", "torchrl"),
+    "torchrl-parallel": ("TorchRL ParallelEnv of single GymEnvs", "torchrl"),
     "sb3-dummy": ("Stable-Baselines3 DummyVecEnv", "stable_baselines3"),
     "envpool": ("EnvPool", "envpool"),
 }
