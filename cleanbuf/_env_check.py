@@ -87,7 +87,7 @@ class CheckReport:
         """The exit status: 0 equal, 1 a difference, 3 not reproducible."""
         if self.not_reproducible is not None:
             return 3
-        return 1 if any(p.differ for p in self.producers) else 0
+        return 1 if any(p.differs for p in self.producers) else 0
 
     def to_dict(self) -> dict:
         """The report as plain values (``cleanbuf check --json``)."""
@@ -154,6 +154,21 @@ def _table(report: CheckReport) -> list[str]:
     return lines
 
 
+def _repair_lines(report: CheckReport) -> list[str]:
+    """The on-policy check: RolloutRepair's valid rows against the truth."""
+    with_repair = [p for p in report.producers if p.repair]
+    if not with_repair:
+        return []
+    lines = ["", "on-policy, [E, T] batches through RolloutRepair.for_env(env), time axis kept:"]
+    for p in with_repair:
+        r = p.repair
+        lines.append(
+            f"  {p.producer}: {r['rows']} rows, {r['masked']} masked, {r['rows'] - r['masked']} "
+            f"valid: {r['differ']} differ from the truth, {r['lost']} lost"
+        )
+    return lines
+
+
 def _advice(report: CheckReport) -> list[str]:
     """Plain words: which producer to prefer, and what to pass."""
     ps = report.producers
@@ -164,7 +179,7 @@ def _advice(report: CheckReport) -> list[str]:
         out.append(f"Prefer {', '.join(clean)}: nothing stored wrong, nothing to clean.")
     elif whole:
         out.append(f"Prefer {', '.join(whole)}: cleaned, nothing is lost.")
-    needs = [p for p in ps if p.stored_wrong and p.lost == 0 and not p.differ]
+    needs = [p for p in ps if p.stored_wrong and p.lost == 0 and not p.differs]
     if needs:
         names = ", ".join(p.producer for p in needs)
         out.append(
@@ -218,19 +233,26 @@ def _verdict(report: CheckReport) -> list[str]:
             f"Verdict: every producer's cleaned rows equal the explicit-reset run, row for "
             f"row within each env{note}. Exit 0."
         ]
-    bad = [p for p in report.producers if p.differ]
-    lines = [
-        "DIFFERENCE: "
-        + "; ".join(
-            f"{p.producer}: {p.differ} cleaned row(s) unlike the explicit-reset run" for p in bad
-        )
-    ]
-    for p in bad:
-        for d in p.differences[:3]:
+    lines = []
+    for p in report.producers:
+        for what, n, diffs in (
+            ("cleaned", p.differ, p.differences),
+            (
+                "RolloutRepair's valid",
+                p.repair["differ"] if p.repair else 0,
+                p.repair["differences"] if p.repair else [],
+            ),
+        ):
+            if not n:
+                continue
             lines.append(
-                f"  {p.producer}, env {d['env']}, row {d['row']}, {d['key']}: "
-                f"want {_short(d['want'])}, got {_short(d['got'])}"
+                f"DIFFERENCE: {p.producer}: {n} {what} row(s) unlike the explicit-reset run"
             )
+            for d in diffs[:3]:
+                lines.append(
+                    f"  env {d['env']}, row {d['row']}, {d['key']}: "
+                    f"want {_short(d['want'])}, got {_short(d['got'])}"
+                )
     if report.reproducer:
         lines.append(f"Reproducer written: {report.reproducer}")
         lines.append(f"Replay it: {report.replay}")
@@ -256,7 +278,7 @@ def _render(report: CheckReport) -> list[str]:
     ]
     if report.status == 3:
         return [*lines, "", *_verdict(report)]
-    lines += ["", *_table(report), "", LEGEND]
+    lines += ["", *_table(report), *_repair_lines(report), "", LEGEND]
     if report.cleaning != "AutoresetFilter.for_env(producer)":
         lines.append(f"cleaned by {report.cleaning}")
     named = "; ".join(f"{p.producer}: {p.description}" for p in report.producers)
@@ -399,10 +421,21 @@ def _run_one(name, source, settings, actions, truth, clean_fn, tick) -> Any:
         cleaned = clean_fn(run.batches, run.env)
         seconds = time.perf_counter() - start
         options = _options_of(run.env)
+        repaired = runs_.repair_cleaning(run.batches, run.env)
     finally:
         run.close()
     stored = report_.count_stored(run, truth)
     compared = report_.compare_cleaned(run, cleaned, truth)
+    repair = None
+    if repaired is not None:
+        got = report_.compare_cleaned(run, repaired, truth)
+        repair = {
+            "rows": stored["rows"],
+            "masked": stored["rows"] - got["cleaned_rows"],
+            "differ": got["differ"],
+            "lost": got["lost"],
+            "differences": got["differences"],
+        }
     result = report_.ProducerResult(
         producer=name,
         description=runs_.PRODUCERS[name][0],
@@ -410,6 +443,7 @@ def _run_one(name, source, settings, actions, truth, clean_fn, tick) -> Any:
         **compared,
         clean_seconds=seconds,
         collect_seconds=run.seconds,
+        repair=repair,
         options=options,
     )
     return result, _timeline(run.rows[0], run.real[0], 400)
@@ -545,7 +579,7 @@ def _write_reproducer(report: CheckReport, actions: np.ndarray, clean_ref, path,
             else ("cleanbuf-check-" + re.sub(r"[^\w.-]+", "_", report.env) + ".json")
         )
     path = os.fspath(path)
-    bad = [p for p in report.producers if p.differ]
+    bad = [p for p in report.producers if p.differs]
     saved = {
         "format": _FORMAT,
         "env": report.env,
@@ -557,6 +591,7 @@ def _write_reproducer(report: CheckReport, actions: np.ndarray, clean_ref, path,
         "clean": clean_ref,
         "actions": {"dtype": str(actions.dtype), "values": actions.tolist()},
         "differences": {p.producer: p.differences for p in bad},
+        "repair_differences": {p.producer: p.repair["differences"] for p in bad if p.repair},
     }
     with open(path, "w") as f:
         json.dump(saved, f)

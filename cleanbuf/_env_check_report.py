@@ -70,6 +70,9 @@ class ProducerResult:
         clean_seconds: the time the cleaning took.
         collect_seconds: the time the collection took.
         options: how the cleaning was configured (the filter's repr).
+        repair: for ``[E, T]`` batches (TorchRL), what ``RolloutRepair``
+            gave: ``rows``, ``masked``, ``differ``, ``lost``,
+            ``differences`` (its valid rows against the truth); else None.
         differences: the first differing rows (env, row, key, want, got).
     """
 
@@ -91,8 +94,14 @@ class ProducerResult:
     clean_seconds: float
     collect_seconds: float
     truncation_flags_lost: int = 0
+    repair: dict | None = None
     options: str = ""
     differences: list = dataclasses.field(default_factory=list)
+
+    @property
+    def differs(self) -> bool:
+        """Whether the cleaned rows, or the repaired ones, differ from the truth."""
+        return bool(self.differ or (self.repair and self.repair["differ"]))
 
     @property
     def stored_wrong(self) -> int:

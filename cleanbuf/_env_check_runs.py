@@ -536,3 +536,35 @@ def filter_cleaning(batches: list, env: Any) -> TensorDict:
         out = [filt(b) for b in batches]
         out.append(filt.flush())
     return torch.cat([o for o in out if o is not None and o.batch_size[0] > 0])
+
+
+def repair_cleaning(batches: list, env: Any) -> TensorDict | None:
+    """The on-policy cleaning: ``RolloutRepair.for_env(env)`` on ``[E, T]`` batches.
+
+    The repaired batches keep their time axis and mask the reset rows
+    (``("collector", "mask")``); their valid rows, env by env, are what is
+    compared with the truth.
+
+    Args:
+        batches: the producer's ``[E, T]`` batches, in order.
+        env: the producer.
+
+    Returns:
+        The valid rows, flat (each keeps its ``"env_id"``), or None where
+        the batches are single steps ``[E]`` (raw loops: no rollout).
+    """
+    import warnings
+
+    from cleanbuf.engine._errors import CleanbufWarning
+    from cleanbuf.online._repair import RolloutRepair
+
+    if batches[0].batch_dims != 2:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CleanbufWarning)
+        repair = RolloutRepair.for_env(env)
+        out = [repair(b) for b in batches]
+        out.append(repair.flush())
+    data = torch.cat([o for o in out if o is not None and o.batch_size[-1] > 0], dim=1)
+    mask = data["collector", "mask"].reshape(data.batch_size)
+    return torch.cat([data[e][mask[e]] for e in range(data.batch_size[0])])

@@ -134,6 +134,11 @@ def _check_every_number(report, recorder):
         assert p.cleaned_rows == p.rows - p.reset_rows
         assert p.differ == 0 and p.clean_seconds > 0
         assert _same_as_explicit_resets(cleaned, explicit) == p.lost
+        if p.producer.startswith("torchrl-"):  # [E, T] batches: the on-policy repair too
+            assert p.repair["masked"] == counted["reset_rows"]
+            assert p.repair["differ"] == 0 and p.repair["lost"] == p.lost
+        else:
+            assert p.repair is None
 
 
 def test_cartpole_every_number_against_the_raw_rows():
@@ -142,7 +147,9 @@ def test_cartpole_every_number_against_the_raw_rows():
     the same-step reset observation not counted, the step counts of
     TorchRL's rows after a reset row not flagged), a producer whose cleaned
     rows differ from an explicit-reset run while the check says 0, a
-    verdict of "equal" that was never checked, the wrong exit status.
+    verdict of "equal" that was never checked, the wrong exit status, the
+    on-policy repair of TorchRL's batches masking other rows than the reset
+    rows.
     """
     recorder = Recorder()
     report = cleanbuf.check("CartPole-v1", producers=IN_PROCESS, steps=150, clean=recorder)
