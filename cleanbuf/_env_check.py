@@ -128,11 +128,10 @@ _CLEANED = (
     ("time", 8, lambda p: f"{p.clean_seconds * 1e3:.0f} ms"),
 )
 LEGEND = (
-    "reset: bogus reset rows; zeroed / NaN / =reset: done rows whose next observation is "
-    "zero-filled, NaN or the next episode's first, not the terminal one; trunc>term: "
-    "truncations flagged as terminations; init/step: rows with a wrong is_init or step_count "
-    "(-: none stored); differ: cleaned rows unlike the truth (0 expected); lost: terminal "
-    "observations lost for good (NaN); time: the cleaning's."
+    "reset: bogus reset rows; zeroed / NaN / =reset: terminal observations stored as zeros, NaN "
+    "or the next episode's first; trunc>term: truncations flagged as terminations; init/step: "
+    "wrong is_init or step_count (-: not stored); differ: cleaned rows unlike the truth; lost: "
+    "terminal observations lost for good (NaN); time: the cleaning's."
 )
 
 
