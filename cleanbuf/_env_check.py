@@ -31,6 +31,7 @@ import re
 import shlex
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -334,38 +335,34 @@ def _program() -> str:
     return "cleanbuf"
 
 
-def _producers(producers: Sequence[str] | str | None) -> tuple[list[str], dict]:
+def _producers(producers: Sequence[str] | str | None, source: Any) -> tuple[list[str], dict]:
     """The producers to run, and those not run with why."""
     if isinstance(producers, str):
         producers = [p.strip() for p in producers.split(",") if p.strip()]
     not_run: dict = {}
+    chosen = []
     if producers is None or list(producers) == ["all"]:
-        every = producers is not None
-        names = list(runs_.PRODUCERS) if every else list(runs_.DEFAULT_PRODUCERS)
-        chosen = []
+        names = list(runs_.PRODUCERS) if producers else list(runs_.DEFAULT_PRODUCERS)
         for name in names:
             package = runs_.PRODUCERS[name][1]
-            if name == "envpool":
-                not_run[name] = runs_.ENVPOOL_WHY
-            elif not runs_.installed(package):
+            if not runs_.installed(package):
                 not_run[name] = f"{package} is not installed"
             else:
                 chosen.append(name)
-        return chosen, not_run
-    unknown = [p for p in producers if p not in runs_.PRODUCERS]
-    if unknown:
-        raise CleanbufError(
-            f"unknown producer(s) {unknown}; choose from {list(runs_.PRODUCERS)} or 'all'."
-        )
-    chosen = []
-    for name in dict.fromkeys(producers):
-        if name == "envpool":
-            not_run[name] = runs_.ENVPOOL_WHY
-            continue
-        runs_.require(name)
-        chosen.append(name)
-    if not chosen:
-        raise CleanbufError(f"no producer to run: envpool: {runs_.ENVPOOL_WHY}")
+    else:
+        unknown = [p for p in producers if p not in runs_.PRODUCERS]
+        if unknown:
+            raise CleanbufError(
+                f"unknown producer(s) {unknown}; choose from {list(runs_.PRODUCERS)} or 'all'."
+            )
+        for name in dict.fromkeys(producers):
+            runs_.require(name)
+            chosen.append(name)
+    if "envpool" in chosen and runs_.envpool_id(source) is None:
+        chosen.remove("envpool")
+        not_run["envpool"] = runs_.envpool_why_not(source)
+        if not chosen:
+            raise CleanbufError(f"no producer to run: envpool: {not_run['envpool']}.")
     return chosen, not_run
 
 
@@ -384,7 +381,6 @@ def _progress(enabled: bool | None, total: int):
 
 def _options_of(env: Any) -> str:
     """How ``AutoresetFilter.for_env`` configures itself for ``env``, in words."""
-    import warnings
 
     from cleanbuf.engine._errors import CleanbufWarning
     from cleanbuf.online._transform import AutoresetFilter
@@ -400,14 +396,20 @@ def _options_of(env: Any) -> str:
     return words
 
 
-def _timeline(rows: Any, real: np.ndarray | None, steps: int) -> dict:
-    """Env 0's first observation component and done flags, for the plot."""
+def _timeline(rows: Any, real: np.ndarray | None, steps: int, truth: Any) -> dict:
+    """Env 0's first observation component and done flags, for the plot.
+
+    ``terminals``: the true terminal observations (component 0) of the
+    truth's (``truth``: env 0's truth rows) episode ends, in order.
+    """
     n = min(rows.batch_size[0], steps)
     obs = report_._obs(rows[:n], report_.OBS)[:, 0]
     nxt = report_._obs(rows[:n], report_.NEXT_OBS)[:, 0]
     done = rows["next", "done"][:n].reshape(n).numpy()
     real = np.ones(n, bool) if real is None else real[:n]
-    return {"obs": obs, "next": nxt, "done": done, "real": real}
+    ends = truth["next", "done"].reshape(-1)
+    terminals = report_._obs(truth[ends], report_.NEXT_OBS)[:, 0].tolist()
+    return {"obs": obs, "next": nxt, "done": done, "real": real, "terminals": terminals}
 
 
 def _run_one(name, source, settings, actions, truth, clean_fn, tick) -> Any:
@@ -445,7 +447,7 @@ def _run_one(name, source, settings, actions, truth, clean_fn, tick) -> Any:
         repair=repair,
         options=options,
     )
-    return result, _timeline(run.rows[0], run.real[0], 400)
+    return result, _timeline(run.rows[0], run.real[0], 400, truth[0])
 
 
 def check(
@@ -482,8 +484,10 @@ def check(
             ``torchrl-gymenv``, ``torchrl-serial``, ``torchrl-parallel``,
             ``sb3-dummy``, ``envpool`` (a list or a comma-separated str),
             or ``"all"``. None: those that start no process and are
-            installed. EnvPool cannot be checked (no truth exists for it:
-            the report says why).
+            installed. EnvPool runs its own version of a registered id,
+            compared with that version under explicit resets (one pool per
+            env); a factory or an id it lacks is not run (the report says
+            why).
         num_envs: sub-envs per producer.
         steps: steps per producer.
         seed: sub-env ``e`` starts from ``reset(seed=seed + e)``; env
@@ -526,12 +530,14 @@ def check(
         actions = np.asarray(saved["actions"]["values"], dtype=saved["actions"]["dtype"])
     if num_envs < 1 or steps < 2:
         raise CleanbufError(f"num_envs={num_envs}, steps={steps}: need num_envs >= 1, steps >= 2.")
-    names, not_run = _producers(producers)
     source = runs_.EnvSource(env, max_episode_steps)
     _, action_space = source.probe()
+    names, not_run = _producers(producers, source)
     if actions is None:
         actions = runs_.action_sequences(action_space, num_envs, steps, seed)
-    with _progress(progress, steps * (len(names) + 2)) as bar:
+    with _progress(progress, steps * (len(names) + 2)) as bar, warnings.catch_warnings():
+        # EnvPool's spaces cast their bounds to float32, with a warning each: not the user's.
+        warnings.filterwarnings("ignore", message=".*precision lowered by casting")
         truth = runs_.run_truth(source, num_envs, steps, seed, actions)
         again = runs_.run_truth(source, num_envs, steps, seed, actions)
         bar.update(2 * steps)
@@ -550,16 +556,23 @@ def check(
             report_.first_truth_difference(truth, again),
             clean_name,
         )
+        truths = {"": truth}
+        if "envpool" in names and out.not_reproducible is None:
+            truths["envpool"] = runs_.run_envpool_truth(source, num_envs, steps, seed, actions)
+            again = runs_.run_envpool_truth(source, num_envs, steps, seed, actions)
+            differ = report_.first_truth_difference(truths["envpool"], again)
+            if differ is not None:
+                out.not_reproducible = f"EnvPool's version: {differ}"
         if out.not_reproducible is not None:
             return out
-        out.timelines["truth"] = _timeline(truth[0], None, 400)
+        out.timelines["truth"] = _timeline(truth[0], None, 400, truth[0])
         for name in names:
             result, timeline = _run_one(
                 name,
                 source,
                 (num_envs, steps, seed),
                 actions,
-                truth,
+                truths.get(name, truth),
                 clean_fn,
                 lambda: bar.update(1),
             )
@@ -622,8 +635,9 @@ EXAMPLES = """examples:
   cleanbuf check --replay cleanbuf-check-CartPole-v1.json
 
 producers: gym-next-step, gym-same-step, torchrl-gymenv, torchrl-serial,
-torchrl-parallel (starts processes), sb3-dummy, envpool (cannot be checked:
-says why); default: those that start no process and are installed.
+torchrl-parallel (starts processes), sb3-dummy, envpool (EnvPool ids only,
+against EnvPool's own env); default: those that start no process and are
+installed.
 
 exit status: 0 cleaned rows equal the explicit-reset run, 1 a difference
 (reproducer written), 2 error, 3 the env is not reproducible under seeds

@@ -32,12 +32,7 @@ _STYLE = {
 }
 
 
-def _terminals(timeline: dict) -> list:
-    """The truth's terminal observations (component 0), in order of the episode ends."""
-    return [float(v) for v in timeline["next"][timeline["done"]]]
-
-
-def _panel(ax: Any, name: str, timeline: dict, truth_terms: list, seen: set) -> None:
+def _panel(ax: Any, name: str, timeline: dict, seen: set) -> None:
     n = len(timeline["obs"])
     x = np.arange(n)
     ax.plot(x, timeline["obs"], color="tab:blue", lw=0.9)
@@ -49,7 +44,8 @@ def _panel(ax: Any, name: str, timeline: dict, truth_terms: list, seen: set) -> 
     for i, t in enumerate(ends):
         ax.axvline(t, color="0.6", ls=":", lw=0.8)
         stored = float(timeline["next"][t])
-        kind = _kind(stored, truth_terms[i] if i < len(truth_terms) else None)
+        terms = timeline["terminals"]
+        kind = _kind(stored, terms[i] if i < len(terms) else None)
         color, marker, label = _STYLE[kind]
         y = 0.0 if kind == "nan" else stored
         ax.plot(
@@ -75,10 +71,9 @@ def figure(report: Any):
     fig, axes = plt.subplots(
         len(names), 1, figsize=(11, 1.3 * len(names) + 1.0), sharex=True, squeeze=False
     )
-    truth_terms = _terminals(report.timelines["truth"])
     seen: set = set()
     for ax, name in zip(axes[:, 0], names):
-        _panel(ax, name, report.timelines[name], truth_terms, seen)
+        _panel(ax, name, report.timelines[name], seen)
     axes[-1, 0].set_xlabel("env 0's rows as stored; line: observation[0]")
     fig.legend(loc="upper center", ncols=5, fontsize=8, bbox_to_anchor=(0.5, 0.995))
     fig.suptitle(

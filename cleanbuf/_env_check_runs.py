@@ -38,7 +38,7 @@ PRODUCERS = {
     "torchrl-serial": ("TorchRL SerialEnv of single GymEnvs", "torchrl"),
     "torchrl-parallel": ("TorchRL ParallelEnv of single GymEnvs", "torchrl"),
     "sb3-dummy": ("Stable-Baselines3 DummyVecEnv", "stable_baselines3"),
-    "envpool": ("EnvPool", "envpool"),
+    "envpool": ("EnvPool (against EnvPool's own env with explicit resets)", "envpool"),
 }
 # What runs when no producer is named: the ones that start no process.
 DEFAULT_PRODUCERS = (
@@ -47,12 +47,15 @@ DEFAULT_PRODUCERS = (
     "torchrl-gymenv",
     "torchrl-serial",
     "sb3-dummy",
+    "envpool",
 )
 ENVPOOL_WHY = (
-    "EnvPool runs its own C++ version of an env, not a Gymnasium factory, with its own "
-    "random numbers, and always auto-resets: no explicit-reset run of the same env exists "
-    "to compare with, so no truth can be built for it. Check data EnvPool produced with "
-    "`cleanbuf audit`; AutoresetFilter.for_env(envpool_env) cleans it (next-step)."
+    "EnvPool runs its own C++ version of an env, built from a registered id, not from a "
+    "Gymnasium factory"
+)
+ENVPOOL_TRUTH = (
+    "EnvPool's own env (its C++ version, not the Gymnasium one) under explicit resets: one "
+    "pool per env, seeded as the batched pool seeds it"
 )
 _PIP = {
     "gymnasium": "gymnasium (pip install 'cleanbuf[gym]')",
@@ -478,6 +481,82 @@ def _sb3_loop(source, num_envs, steps, seed, actions, tick) -> Run:
     )
 
 
+def envpool_id(source: EnvSource) -> str | None:
+    """The EnvPool id of ``source``, or None (a factory, or an id EnvPool lacks)."""
+    import envpool
+
+    if source.factory() is not None:
+        return None
+    return source.name if source.name in envpool.list_all_envs() else None
+
+
+def envpool_why_not(source: EnvSource) -> str:
+    """Why ``source`` cannot be run on EnvPool (a factory, or an id EnvPool lacks)."""
+    what = "a factory" if source.factory() is not None else f"{source.name!r}, not an EnvPool id"
+    return f"{ENVPOOL_WHY}; {what} (envpool.list_all_envs() lists its ids)"
+
+
+def _envpool(source: EnvSource, num_envs: int, seed: int) -> Any:
+    import envpool
+
+    limit = (
+        {} if source.max_episode_steps is None else {"max_episode_steps": source.max_episode_steps}
+    )
+    return envpool.make(source.name, env_type="gymnasium", num_envs=num_envs, seed=seed, **limit)
+
+
+def run_envpool_truth(source: EnvSource, num_envs: int, steps: int, seed: int, actions):
+    """EnvPool's explicit-reset run: env ``e`` is a pool of one seeded ``seed + e``.
+
+    A batched pool seeds its env ``e`` with ``seed + e``; each pool of one
+    is reset explicitly after an episode end, before its next step.
+    """
+    columns = []
+    for e in range(num_envs):
+        pool = _envpool(source, 1, seed + e)
+        try:
+            obs, _ = pool.reset()
+            first, count, rows = True, 0, []
+            for t in range(steps):
+                action = actions[e : e + 1, t]
+                next_obs, reward, terminated, truncated, _ = pool.step(action)
+                row = step_rows(obs, action, next_obs, reward, terminated, truncated,
+                                reset=np.array([first]))  # fmt: skip
+                row["step_count"] = torch.tensor([[count]])
+                row[STREAM] = torch.tensor([e])
+                rows.append(row)
+                first = bool(terminated[0] or truncated[0])
+                count = 0 if first else count + 1
+                obs = pool.reset()[0] if first else next_obs
+        finally:
+            pool.close()
+        columns.append(torch.cat(rows))
+    return torch.stack(columns)
+
+
+def _envpool_loop(source, num_envs, steps, seed, actions, tick) -> Run:
+    pool = _envpool(source, num_envs, seed)
+    start = time.perf_counter()
+    take = _Actions(actions)
+    obs, _ = pool.reset()
+    pending = np.zeros(num_envs, bool)
+    batches, real = [], []
+    for _ in range(steps):
+        is_real = ~pending
+        action = take.take(is_real)
+        next_obs, reward, terminated, truncated, _ = pool.step(action)
+        row = step_rows(obs, action, next_obs, reward, terminated, truncated, env_ids=True)
+        batches.append(row)
+        real.append(is_real)
+        pending = np.asarray(terminated) | np.asarray(truncated)
+        obs = next_obs
+        tick()
+    rows = torch.stack(batches, dim=1)
+    term = rows["next", "terminated"].reshape(num_envs, steps).numpy()
+    return Run("envpool", batches, rows, np.stack(real, 1), np.zeros(steps, bool), term, pool,
+               time.perf_counter() - start)  # fmt: skip
+
+
 def run_producer(
     producer: str,
     source: EnvSource,
@@ -490,7 +569,7 @@ def run_producer(
     """Runs ``producer`` on ``source`` with each env's ``actions``; returns its rows.
 
     Args:
-        producer: a key of :data:`PRODUCERS` (not ``"envpool"``).
+        producer: a key of :data:`PRODUCERS` (``"envpool"``: an EnvPool id only).
         source: the env.
         num_envs: sub-envs.
         steps: steps of the producer (reset steps included).
@@ -508,7 +587,7 @@ def run_producer(
         return _torchrl_loop(producer, source, num_envs, steps, seed, actions, tick)
     if producer == "sb3-dummy":
         return _sb3_loop(source, num_envs, steps, seed, actions, tick)
-    raise CleanbufError(f"producer {producer!r}: {ENVPOOL_WHY}")
+    return _envpool_loop(source, num_envs, steps, seed, actions, tick)
 
 
 def filter_cleaning(batches: list, env: Any) -> TensorDict:

@@ -21,7 +21,7 @@ class RandomWalk(gym.Env):
     """
 
     def __init__(self, seeded: bool = True):
-        self.observation_space = gym.spaces.Box(-10.0, 10.0, (2,), np.float32)
+        self.observation_space = gym.spaces.Box(-100.0, 100.0, (2,), np.float32)
         self.action_space = gym.spaces.Discrete(2)
         self.seeded = seeded
         self.pos = 0.0
