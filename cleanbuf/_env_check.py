@@ -381,7 +381,6 @@ def _progress(enabled: bool | None, total: int):
 
 def _options_of(env: Any) -> str:
     """How ``AutoresetFilter.for_env`` configures itself for ``env``, in words."""
-
     from cleanbuf.engine._errors import CleanbufWarning
     from cleanbuf.online._transform import AutoresetFilter
 
