@@ -137,6 +137,8 @@ def _check_every_number(report, recorder):
     assert [p.producer for p in report.producers] == WITH_ENVPOOL[: len(report.producers)]
     explicit = recorder.raw[[p.producer for p in report.producers].index("torchrl-serial")]
     assert report.truth_episode_ends == int(explicit["next", "done"].sum())
+    only_truncated = explicit["next", "truncated"] & ~explicit["next", "terminated"]
+    assert report.truth_truncations == int(only_truncated.sum())
     for p, raw, cleaned in zip(report.producers, recorder.raw, recorder.cleaned):
         counted = _counts(raw, cleaned, p.producer)
         table = {k: getattr(p, k) for k in counted}
@@ -306,11 +308,22 @@ def test_a_broken_cleaning_exits_1_with_a_reproducer_that_replays(tmp_path, caps
     command = next(line for line in out.splitlines() if line.startswith("Replay it: "))
     argv = command.removeprefix("Replay it: ").split()
     assert argv[1:] == ["check", "--replay", str(path), "--clean", hook], argv
+    assert main(argv[1:]) == 1  # the printed command replays the difference
+    capsys.readouterr()
     again = cleanbuf.check(replay=path, clean=hook)
     assert again.status == 1
     assert again.producers[0].differences == saved["differences"]["gym-next-step"]
     fixed = cleanbuf.check(replay=path)  # the same run, cleaned by cleanbuf: equal
     assert fixed.status == 0 and fixed.producers[0].differ == 0
+
+
+def test_json_holds_the_table(capsys):
+    """Bug caught: ``--json`` failing on a value JSON cannot hold (NumPy
+    numbers, the plot's arrays) or leaving out the status.
+    """
+    assert main(["check", "--steps", "40", "--producer", "gym-next-step", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == 0 and out["producers"][0]["reset_rows"] > 0
 
 
 def test_help_lists_every_command(capsys):
