@@ -395,13 +395,13 @@ def _options_of(env: Any) -> str:
     return words
 
 
-def _timeline(rows: Any, real: np.ndarray | None, steps: int, truth: Any) -> dict:
+def _timeline(rows: Any, real: np.ndarray | None, truth: Any) -> dict:
     """Env 0's first observation component and done flags, for the plot.
 
     ``terminals``: the true terminal observations (component 0) of the
     truth's (``truth``: env 0's truth rows) episode ends, in order.
     """
-    n = min(rows.batch_size[0], steps)
+    n = rows.batch_size[0]
     obs = report_._obs(rows[:n], report_.OBS)[:, 0]
     nxt = report_._obs(rows[:n], report_.NEXT_OBS)[:, 0]
     done = rows["next", "done"][:n].reshape(n).numpy()
@@ -446,7 +446,7 @@ def _run_one(name, source, settings, actions, truth, clean_fn, tick) -> Any:
         repair=repair,
         options=options,
     )
-    return result, _timeline(run.rows[0], run.real[0], 400, truth[0])
+    return result, _timeline(run.rows[0], run.real[0], truth[0])
 
 
 def check(
@@ -564,7 +564,7 @@ def check(
                 out.not_reproducible = f"EnvPool's version: {differ}"
         if out.not_reproducible is not None:
             return out
-        out.timelines["truth"] = _timeline(truth[0], None, 400, truth[0])
+        out.timelines["truth"] = _timeline(truth[0], None, truth[0])
         for name in names:
             result, timeline = _run_one(
                 name,

@@ -1,12 +1,13 @@
 """The picture of ``cleanbuf check --plot FILE.png``: env 0's rows as stored, against the truth.
 
 One panel per run, the truth on top, sharing the row axis (rows as the
-producer stored them): the first observation component of each row (a
-line), each episode end (a dotted line) with the next observation the row
-stored there (green: the true terminal one, as in the truth; gray: zeros;
-orange: the next episode's first observation; black on the axis: NaN),
-and each bogus reset row (a red band). A run that matches the truth shows
-the truth's picture, shifted by nothing.
+producer stored them; at most 400, around the truth's first episode end):
+the first observation component of each row (a line), each episode end (a
+dotted line) with the next observation the row stored there (green: the
+true terminal one, as in the truth; gray: zeros; orange: the next
+episode's first observation; black on the axis: NaN), and each bogus
+reset row (a red band). A run that matches the truth shows the truth's
+picture, shifted by nothing.
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ def _panel(ax: Any, name: str, timeline: dict, seen: set) -> None:
     ax.tick_params(labelsize=7)
 
 
+def _window(truth: dict, width: int = 400) -> tuple[float, float]:
+    """At most ``width`` rows, the truth's first episode end among them (long horizons)."""
+    n = len(truth["obs"])
+    ends = np.flatnonzero(truth["done"])
+    start = 0 if not len(ends) else max(0, min(int(ends[0]) - width // 2, n - width))
+    return start - 1, min(n, start + width)
+
+
 def figure(report: Any):
     """The picture as a matplotlib figure (needs matplotlib)."""
     try:
@@ -74,8 +83,10 @@ def figure(report: Any):
     seen: set = set()
     for ax, name in zip(axes[:, 0], names):
         _panel(ax, name, report.timelines[name], seen)
+    axes[-1, 0].set_xlim(*_window(report.timelines["truth"]))
     axes[-1, 0].set_xlabel("env 0's rows as stored; line: observation[0]")
-    fig.legend(loc="upper center", ncols=5, fontsize=8, bbox_to_anchor=(0.5, 0.995))
+    if seen:
+        fig.legend(loc="upper center", ncols=5, fontsize=8, bbox_to_anchor=(0.5, 0.995))
     fig.suptitle(
         f"cleanbuf check {report.env}: env 0 as stored, against the truth (top)",
         y=0.955,
