@@ -53,10 +53,6 @@ ENVPOOL_WHY = (
     "EnvPool runs its own C++ version of an env, built from a registered id, not from a "
     "Gymnasium factory"
 )
-ENVPOOL_TRUTH = (
-    "EnvPool's own env (its C++ version, not the Gymnasium one) under explicit resets: one "
-    "pool per env, seeded as the batched pool seeds it"
-)
 _PIP = {
     "gymnasium": "gymnasium (pip install 'cleanbuf[gym]')",
     "stable_baselines3": "stable-baselines3 (pip install stable-baselines3)",
@@ -118,17 +114,17 @@ class EnvSource:
             return None  # maybe "module:EnvId", which gymnasium.make reads itself
         return fn if callable(fn) else None
 
+    def limit(self) -> dict:
+        """``{"max_episode_steps": N}`` when a time limit is set, else ``{}``."""
+        steps = self.max_episode_steps
+        return {} if steps is None else {"max_episode_steps": steps}
+
     def make(self) -> Any:
         """One sub-env, with the time limit."""
         g = gym()
         fn = self.factory()
         if fn is None:
-            limit = (
-                {}
-                if self.max_episode_steps is None
-                else {"max_episode_steps": self.max_episode_steps}
-            )
-            return g.make(self.name, **limit)
+            return g.make(self.name, **self.limit())
         env = fn()
         if not isinstance(env, g.Env):
             raise CleanbufError(
@@ -384,9 +380,7 @@ def _gym_env_in_process(source: EnvSource, num_envs: int, seed: int) -> Any:
         name = "cleanbuf_check/" + source.name.replace(":", ".").replace("/", ".") + "-v0"
         if name not in g.registry:
             g.register(name, entry_point=source.factory())
-    limit = (
-        {} if source.max_episode_steps is None else {"max_episode_steps": source.max_episode_steps}
-    )
+    limit = source.limit()
     env = InProcessGymEnv(name, num_envs=num_envs, categorical_action_encoding=True, **limit)
     for sub in made:  # GymEnv stepped them to read the info specs: start again
         sub.restart()
@@ -406,7 +400,9 @@ def _torchrl_loop(producer, source, num_envs, steps, seed, actions, tick) -> Run
         TransformedEnv,
     )
 
-    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    logger = logging.getLogger("torchrl")
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # its INFO lines on building an env: not the user's
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Nested TransformedEnvs")
         if producer == "torchrl-gymenv":
@@ -416,6 +412,7 @@ def _torchrl_loop(producer, source, num_envs, steps, seed, actions, tick) -> Run
             batched = SerialEnv if producer == "torchrl-serial" else ParallelEnv
             base = batched(num_envs, fns)
         env = TransformedEnv(base, Compose(StepCounter(), InitTracker()))
+    logger.setLevel(level)
     start = time.perf_counter()
     take = _Actions(actions)
     td = env.reset()
@@ -499,9 +496,7 @@ def envpool_why_not(source: EnvSource) -> str:
 def _envpool(source: EnvSource, num_envs: int, seed: int) -> Any:
     import envpool
 
-    limit = (
-        {} if source.max_episode_steps is None else {"max_episode_steps": source.max_episode_steps}
-    )
+    limit = source.limit()
     return envpool.make(source.name, env_type="gymnasium", num_envs=num_envs, seed=seed, **limit)
 
 
