@@ -249,6 +249,9 @@ def _verdict(report: CheckReport) -> list[str]:
                 f"DIFFERENCE: {p.producer}: {n} {what} row(s) unlike the explicit-reset run"
             )
             for d in diffs[:3]:
+                if d["key"] == "rows":
+                    lines.append(f"  env {d['env']}: {d['got']} rows, the truth {d['want']}")
+                    continue
                 lines.append(
                     f"  env {d['env']}, row {d['row']}, {d['key']}: "
                     f"want {_short(d['want'])}, got {_short(d['got'])}"
@@ -277,7 +280,7 @@ def _render(report: CheckReport) -> list[str]:
         f"({report.truth_truncations} truncations)",
     ]
     if report.status == 3:
-        return [*lines, "", *_verdict(report)]
+        return _wrap([*lines, "", *_verdict(report)])
     lines += ["", *_table(report), *_repair_lines(report), "", LEGEND]
     if report.cleaning != "AutoresetFilter.for_env(producer)":
         lines.append(f"cleaned by {report.cleaning}")

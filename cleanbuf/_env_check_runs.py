@@ -143,7 +143,8 @@ class EnvSource:
             raise
         except Exception as err:
             raise CleanbufError(
-                f"cannot build env {self.name!r}: {type(err).__name__}: {err}. Pass a Gymnasium "
+                f"cannot build env {self.name!r}: {type(err).__name__}: {str(err).rstrip('.')}. "
+                "Pass a Gymnasium "
                 "id (gymnasium.pprint_registry() lists them) or package.module:function "
                 "returning one Gymnasium env."
             ) from err
