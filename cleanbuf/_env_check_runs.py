@@ -149,9 +149,16 @@ class EnvSource:
                 "returning one Gymnasium env."
             ) from err
         try:
-            return env.observation_space, env.action_space
+            spaces = env.observation_space, env.action_space
         finally:
             env.close()
+        if not isinstance(spaces[0], gym().spaces.Box):
+            raise CleanbufError(
+                f"{self.name}: cleanbuf check compares array observations (a Box space); this "
+                f"env's observation space is {spaces[0]}. Wrap it to give a Box (for a Dict "
+                "space: gymnasium.wrappers.FlattenObservation) and pass that factory."
+            )
+        return spaces
 
 
 def seeded(source: EnvSource, seed: int) -> Any:

@@ -51,6 +51,13 @@ def make_unseeded_walk():
     return gym.wrappers.TimeLimit(RandomWalk(seeded=False), 25)
 
 
+def make_dict_walk():
+    """A RandomWalk whose observation is a Dict (not compared: exit 2, naming the fix)."""
+    return gym.wrappers.TransformObservation(
+        make_walk(), lambda o: {"x": o}, gym.spaces.Dict({"x": make_walk().observation_space})
+    )
+
+
 def make_not_an_env():
     """A factory that returns no env (an error: exit 2)."""
     return "CartPole-v1"

@@ -251,13 +251,15 @@ def test_an_env_whose_reset_ignores_its_seed_exits_3(capsys, monkeypatch, tmp_pa
     [
         (["NoSuchEnv-v0"], "NoSuchEnv-v0"),
         (["tests.check_envs:make_not_an_env"], "not a Gymnasium env"),
+        (["tests.check_envs:make_dict_walk"], "FlattenObservation"),
         (["CartPole-v1", "--producer", "gym-nextstep"], "gym-nextstep"),
         (["tests.check_envs:make_walk", "--producer", "envpool"], "not from a Gymnasium factory"),
     ],
 )
 def test_errors_exit_2_and_say_what(args, named, capsys):
-    """Bugs caught: an unknown env id, a factory that returns no env, a
-    misspelt producer or EnvPool alone ending in a traceback or in exit 1
+    """Bugs caught: an unknown env id, a factory that returns no env, an
+    observation the check cannot compare (a Dict), a misspelt producer or
+    EnvPool on a factory ending in a traceback or in exit 1
     (which means "a difference"), or an error that does not name the thing.
     """
     assert main(["check", *args, "--no-progress"]) == 2
