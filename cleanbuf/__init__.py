@@ -23,7 +23,8 @@ The public API:
 * the errors, all ``ValueError`` subclasses.
 """
 
-from cleanbuf._env_check import CheckReport, check
+from cleanbuf._env_check import check
+from cleanbuf._env_check_report import CheckReport
 from cleanbuf._version import __version__ as __version__
 from cleanbuf.engine._errors import (
     CleanbufError,

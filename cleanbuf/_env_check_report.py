@@ -1,10 +1,11 @@
-"""What ``cleanbuf check`` counts, compares and prints.
+"""What ``cleanbuf check`` counts and compares, and its report.
 
 A producer's rows are aligned with the truth env by env: its ``k``-th real
 row (reset rows aside) is the truth's row ``k``. Everything it stores
 wrong is counted on that alignment (:func:`count_stored`); its cleaned
 rows are compared with the truth's, row for row within each env
-(:func:`compare_cleaned`).
+(:func:`compare_cleaned`). :class:`CheckReport` holds one
+:class:`ProducerResult` per producer and prints the table.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def _obs_leaves(td: TensorDict, root: tuple) -> list:
     return [(*root, *(k if isinstance(k, tuple) else (k,))) for k in value.keys(True, True)]
 
 
-def _obs(td: TensorDict, root: tuple) -> np.ndarray:
+def obs_columns(td: TensorDict, root: tuple) -> np.ndarray:
     """Every observation leaf, concatenated per row, float64 ``[n, -1]``."""
     n = td.batch_size[0]
     return np.concatenate([_flat(td, k, n) for k in _obs_leaves(td, root)], axis=1)
@@ -164,8 +165,10 @@ def count_stored(run: Any, truth: TensorDict) -> dict:
         trunc = (want["next", "truncated"] & ~want["next", "terminated"]).reshape(n).numpy()
         stored_term = run.stored_terminated[e][idx]
         out["truncation_as_termination"] += int((trunc & stored_term).sum())
-        next_got, next_want = _obs(got, NEXT_OBS), _obs(want, NEXT_OBS)
-        first_after = _obs(truth[e], OBS)  # row k + 1's observation: the next episode's first
+        next_got, next_want = obs_columns(got, NEXT_OBS), obs_columns(want, NEXT_OBS)
+        first_after = obs_columns(
+            truth[e], OBS
+        )  # row k + 1's observation: the next episode's first
         for k in np.flatnonzero(done):
             s, x = next_got[k], next_want[k]
             out["done_rows"] += 1
@@ -230,7 +233,7 @@ def compare_cleaned(run: Any, cleaned: TensorDict, truth: TensorDict, limit: int
                 continue
             if key in ("observation", ("next", "observation")):
                 root = (key,) if isinstance(key, str) else key
-                x, y = _obs(got, root), _obs(want, root)
+                x, y = obs_columns(got, root), obs_columns(want, root)
             else:
                 x, y = _flat(got, key, n), _flat(want, key, n)
             if key == ("next", "observation"):
@@ -282,3 +285,267 @@ def first_truth_difference(a: TensorDict, b: TensorDict) -> str | None:
                 name = key if isinstance(key, str) else "/".join(key)
                 return f"env {e}, step {int(unlike[0])}, {name}"
     return None
+
+
+@dataclasses.dataclass
+class CheckReport:
+    """What :func:`check` found: one :class:`ProducerResult` per producer, and the verdict.
+
+    ``str(report)`` is the table ``cleanbuf check`` prints; :attr:`status`
+    its exit status.
+
+    Attributes:
+        env: the env checked (a Gymnasium id or ``module:function``).
+        num_envs: sub-envs per producer.
+        steps: steps per producer (and of the truth).
+        seed: sub-env ``e`` started from ``reset(seed=seed + e)``.
+        max_episode_steps: the time limit put on each sub-env, or None.
+        truth_episode_ends: episode ends in the truth.
+        truth_truncations: of which truncations.
+        producers: one result per producer run, in order.
+        not_run: producers not run, with why.
+        not_reproducible: where two truth runs differ (None: they are equal).
+        cleaning: the cleaning checked.
+        reproducer: the reproducer file written (status 1), else None.
+        replay: the command that replays it, else None.
+    """
+
+    env: str
+    num_envs: int
+    steps: int
+    seed: int
+    max_episode_steps: int | None
+    truth_episode_ends: int
+    truth_truncations: int
+    producers: list
+    not_run: dict
+    not_reproducible: str | None
+    cleaning: str
+    reproducer: str | None = None
+    replay: str | None = None
+    timelines: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def status(self) -> int:
+        """The exit status: 0 equal, 1 a difference, 3 not reproducible."""
+        if self.not_reproducible is not None:
+            return 3
+        return 1 if any(p.differs for p in self.producers) else 0
+
+    def to_dict(self) -> dict:
+        """The report as plain values (``cleanbuf check --json``)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del out["timelines"]
+        out["producers"] = [dataclasses.asdict(p) for p in self.producers]
+        out["status"] = self.status
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(line.rstrip() for line in _render(self))
+
+    def plot(self, path: str) -> None:
+        """Draws env 0's rows as each producer stored them, against the truth (matplotlib)."""
+        from cleanbuf._env_check_plot import figure
+
+        fig = figure(self)
+        fig.savefig(path, dpi=110)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+# The table: (header, width, value).
+_COLUMNS = (
+    ("rows", 6, lambda p: p.rows),
+    ("reset", 6, lambda p: p.reset_rows),
+    ("zeroed", 7, lambda p: p.terminal_zero),
+    ("NaN", 5, lambda p: p.terminal_nan),
+    ("=reset", 7, lambda p: p.terminal_reset_obs + p.terminal_other),
+    ("trunc>term", 11, lambda p: p.truncation_as_termination),
+    ("init/step", 10, lambda p: "-" if p.wrong_init_or_step is None else p.wrong_init_or_step),
+)
+_CLEANED = (
+    ("rows", 6, lambda p: p.cleaned_rows),
+    ("differ", 7, lambda p: p.differ),
+    ("lost", 5, lambda p: p.lost),
+    ("time", 8, lambda p: f"{p.clean_seconds * 1e3:.0f} ms"),
+)
+LEGEND = (
+    "reset: bogus reset rows; zeroed / NaN / =reset: terminal observations stored as zeros, NaN "
+    "or the next episode's first; trunc>term: truncations flagged as terminations; init/step: "
+    "wrong is_init or step_count (-: not stored); differ: cleaned rows unlike the truth; lost: "
+    "terminal observations lost for good (NaN); time: the cleaning's."
+)
+
+
+def _table(report: CheckReport) -> list[str]:
+    width = max([len("producer"), *(len(p.producer) for p in report.producers)]) + 1
+    left = sum(w for _, w, _ in _COLUMNS)
+    right = sum(w for _, w, _ in _CLEANED)
+    lines = [
+        " " * width
+        + " as stored ".center(left, "-")
+        + " | "
+        + " cleaned by cleanbuf ".center(right, "-")
+    ]
+    head = "producer".ljust(width) + "".join(c[0].rjust(c[1]) for c in _COLUMNS)
+    lines.append(head + " | " + "".join(c[0].rjust(c[1]) for c in _CLEANED))
+    for p in report.producers:
+        line = p.producer.ljust(width) + "".join(str(c[2](p)).rjust(c[1]) for c in _COLUMNS)
+        lines.append(line + " | " + "".join(str(c[2](p)).rjust(c[1]) for c in _CLEANED))
+    return lines
+
+
+def _repair_lines(report: CheckReport) -> list[str]:
+    """The on-policy check: RolloutRepair's valid rows against the truth."""
+    with_repair = [p for p in report.producers if p.repair]
+    if not with_repair:
+        return []
+    lines = ["", "on-policy, [E, T] batches through RolloutRepair.for_env(env), time axis kept:"]
+    for p in with_repair:
+        r = p.repair
+        lines.append(
+            f"  {p.producer}: {r['rows']} rows, {r['masked']} masked, {r['rows'] - r['masked']} "
+            f"valid: {r['differ']} differ from the truth, {r['lost']} lost"
+        )
+    return lines
+
+
+def _advice(report: CheckReport) -> list[str]:
+    """Plain words: which producer to prefer, and what to pass."""
+    ps = report.producers
+    clean = [p.producer for p in ps if p.stored_wrong == 0 and p.lost == 0]
+    whole = [p.producer for p in ps if p.lost == 0]
+    out = []
+    if clean:
+        out.append(f"Prefer {', '.join(clean)}: nothing stored wrong, nothing to clean.")
+    elif whole:
+        out.append(f"Prefer {', '.join(whole)}: cleaned, nothing is lost.")
+    needs = [p for p in ps if p.stored_wrong and p.lost == 0 and not p.differs]
+    if needs:
+        names = ", ".join(p.producer for p in needs)
+        out.append(
+            f"{names}: pass transform=AutoresetFilter.for_env(env) to the buffer "
+            "(on-policy: RolloutRepair.for_env(env)); it gives back the truth's rows."
+        )
+    for p in ps:
+        if p.lost_why.get("joint"):
+            out.append(
+                f"{p.producer}: {p.lost_why['joint']} terminal observation(s) lost for good "
+                f"({WHY_LOST['joint']}; fixed-horizon tasks: every episode). Use "
+                f"cleanbuf.lossless_gym_env(name, num_envs={report.num_envs}) instead, or "
+                'AutoresetFilter.for_env(env, on_lost_terminal_obs="drop") to leave those '
+                "rows out."
+            )
+        if p.lost_why.get("end"):
+            out.append(
+                f"{p.producer}: {p.lost_why['end']} done row(s) on the last step: "
+                f"{WHY_LOST['end']} (a longer run keeps them)."
+            )
+        if p.truncation_flags_lost:
+            out.append(
+                f"{p.producer}: {p.truncation_flags_lost} step(s) ended both ways (terminated "
+                "and truncated); its infos[i]['TimeLimit.truncated'] is set only when not "
+                "terminated, so those rows stay terminated, not truncated (harmless for "
+                "bootstrapping: a termination wins)."
+            )
+        if p.truncation_as_termination:
+            out.append(
+                f"{p.producer}: its dones flag {p.truncation_as_termination} truncation(s) as "
+                "terminations; the truncation is in infos[i]['TimeLimit.truncated']: "
+                "step_rows(obs, action, next_obs, rewards, dones, None, infos) reads it."
+            )
+    return out
+
+
+def _verdict(report: CheckReport) -> list[str]:
+    if report.status == 3:
+        return [
+            f"NOT REPRODUCIBLE: {report.env} is not reproducible under seeds: two runs with "
+            f"explicit resets, the same seeds and the same actions differ (first at "
+            f"{report.not_reproducible}). Nothing was compared. Check that the env's reset(seed=) "
+            "seeds every source of randomness it uses (self.np_random, not the random module, "
+            "np.random or torch's global generator), and that nothing else (the time, a file, "
+            "a counter kept across instances) changes its steps."
+        ]
+    lost = sum(p.lost for p in report.producers)
+    if report.status == 0:
+        note = f" ({lost} lost terminal observation(s) marked NaN, counted above)" if lost else ""
+        return [
+            f"Verdict: every producer's cleaned rows equal the explicit-reset run, row for "
+            f"row within each env{note}. Exit 0."
+        ]
+    lines = []
+    for p in report.producers:
+        for what, n, diffs in (
+            ("cleaned", p.differ, p.differences),
+            (
+                "RolloutRepair's valid",
+                p.repair["differ"] if p.repair else 0,
+                p.repair["differences"] if p.repair else [],
+            ),
+        ):
+            if not n:
+                continue
+            lines.append(
+                f"DIFFERENCE: {p.producer}: {n} {what} row(s) unlike the explicit-reset run"
+            )
+            for d in diffs[:3]:
+                if d["key"] == "rows":
+                    lines.append(f"  env {d['env']}: {d['got']} rows, the truth {d['want']}")
+                    continue
+                lines.append(
+                    f"  env {d['env']}, row {d['row']}, {d['key']}: "
+                    f"want {_short(d['want'])}, got {_short(d['got'])}"
+                )
+    if report.reproducer:
+        lines.append(f"Reproducer written: {report.reproducer}")
+        lines.append(f"Replay it: {report.replay}")
+    return lines
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, list):
+        return (
+            "[" + ", ".join(f"{v:.4g}" for v in value[:4]) + (", ...]" if len(value) > 4 else "]")
+        )
+    return str(value)
+
+
+def _render(report: CheckReport) -> list[str]:
+    limit = "" if report.max_episode_steps is None else f", time limit {report.max_episode_steps}"
+    lines = [
+        f"cleanbuf check {report.env}: {report.num_envs} envs x {report.steps} steps, seed "
+        f"{report.seed}{limit}, seeded random actions",
+        f"truth (explicit resets, same seeds and actions): "
+        f"{report.num_envs * report.steps} rows, {report.truth_episode_ends} episode ends "
+        f"({report.truth_truncations} truncations)",
+    ]
+    if report.status == 3:
+        return _wrap([*lines, "", *_verdict(report)])
+    lines += ["", *_table(report), *_repair_lines(report), "", LEGEND]
+    if report.cleaning != "AutoresetFilter.for_env(producer)":
+        lines.append(f"cleaned by {report.cleaning}")
+    named = "; ".join(f"{p.producer}: {p.description}" for p in report.producers)
+    lines += ["", f"{named}."]
+    for name, why in report.not_run.items():
+        lines.append(f"{name}: not run: {why}")
+    lines.append("")
+    lines += _advice(report)
+    return _wrap([*lines, "", *_verdict(report)])
+
+
+def _wrap(lines: list[str], width: int = 100) -> list[str]:
+    """Wraps the prose lines (not the table's) at ``width``."""
+    import textwrap
+
+    out = []
+    for line in lines:
+        if len(line) <= width or "|" in line or line.startswith(("Replay it: ", "Reproducer")):
+            out.append(line)
+        else:
+            indent = "  " if line.startswith("  ") else ""
+            out += textwrap.wrap(
+                line, width, subsequent_indent=indent + "  ", break_on_hyphens=False
+            )
+    return out
