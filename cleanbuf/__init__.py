@@ -11,6 +11,10 @@ The public API:
   ``cleanbuf audit`` / ``cleanbuf clean`` command line).
 * :func:`to_minari`: the cleaned episodes as a Minari dataset (also
   ``cleanbuf export``; needs the ``minari`` extra).
+* :func:`check`: runs an env under each producer and against explicit
+  resets, and shows what each stores wrong and whether the cleaned rows
+  equal the explicit-reset run (also ``cleanbuf check ENV``); it returns a
+  :class:`CheckReport`.
 * :func:`step_rows`: one raw vector-env step as the rows the filter expects.
 * :class:`RolloutRepair`: the same cleaning for on-policy learners: the
   collector's ``[*E, T]`` batch returned repaired (time axis kept, reset rows
@@ -21,6 +25,8 @@ The public API:
 * the errors, all ``ValueError`` subclasses.
 """
 
+from cleanbuf._env_check import check
+from cleanbuf._env_check_report import CheckReport
 from cleanbuf._version import __version__ as __version__
 from cleanbuf.engine._errors import (
     CleanbufError,
@@ -43,6 +49,7 @@ from cleanbuf.online._transform import AutoresetFilter
 
 __all__ = [
     "AutoresetFilter",
+    "CheckReport",
     "CleanbufError",
     "CleanbufWarning",
     "ContinuityError",
@@ -54,6 +61,7 @@ __all__ = [
     "StateError",
     "TerminalObservationLostError",
     "audit",
+    "check",
     "clean",
     "lossless_gym_env",
     "step_rows",

@@ -1,0 +1,454 @@
+"""``cleanbuf check ENV``: what each producer stores wrong, and whether cleanbuf's output is right.
+
+Runs one env under each producer (Gymnasium next-step and same-step
+vector envs, TorchRL ``GymEnv(name, num_envs=N)``, ``SerialEnv`` /
+``ParallelEnv`` of single envs, Stable-Baselines3 ``DummyVecEnv``) with
+seeded random actions, and the truth: the same env with explicit partial
+resets (Gymnasium ``AutoresetMode.DISABLED``), the same seeds and the same
+actions per env. Then it cleans each producer's rows with cleanbuf and
+compares them with the truth, row for row within each env.
+
+Exit status, as ``cleanbuf audit``'s:
+
+* 0: every producer's cleaned rows equal the truth (observations a
+  producer lost for good are reported, not hidden);
+* 1: a difference: a reproducer file is written (seeds, actions, the
+  differing rows) and the command that replays it is printed;
+* 2: an error (an unknown env id, a factory that fails, a producer whose
+  package is not installed: named);
+* 3: the env is not reproducible under seeds (two truth runs with the
+  same seeds and actions differ): nothing can be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import shlex
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+import cleanbuf._env_check_report as report_
+import cleanbuf._env_check_runs as runs_
+from cleanbuf.engine._errors import CleanbufError
+
+CleanFn = Callable[[list, Any], Any]
+_FORMAT = "cleanbuf-check-reproducer/1"
+
+
+def _clean_fn(clean: CleanFn | str | None) -> tuple[CleanFn, str, str | None]:
+    """``(function, what to call it, module:function or None)``."""
+    if clean is None:
+        return runs_.filter_cleaning, "AutoresetFilter.for_env(producer)", None
+    if isinstance(clean, str):
+        module, _, attr = clean.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise CleanbufError(
+                f"--clean {clean}: cannot import it ({err}). Pass package.module:function, a "
+                "function (batches, env) -> cleaned rows."
+            ) from err
+        return fn, clean, clean
+    name = f"{getattr(clean, '__module__', '?')}:{getattr(clean, '__qualname__', '?')}"
+    importable = re.fullmatch(r"[\w.]+:\w+", name) is not None
+    return clean, name, name if importable else None
+
+
+def _program() -> str:
+    """The command this process was run as, so that a printed command runs as printed."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0) == "cleanbuf":
+        return shlex.quote(argv0)
+    if argv0.endswith(os.path.join("cleanbuf", "__main__.py")):
+        return f"{shlex.quote(sys.executable)} -m cleanbuf"
+    return "cleanbuf"
+
+
+def _producers(producers: Sequence[str] | str | None, source: Any) -> tuple[list[str], dict]:
+    """The producers to run, and those not run with why."""
+    if isinstance(producers, str):
+        producers = [p.strip() for p in producers.split(",") if p.strip()]
+    not_run: dict = {}
+    chosen = []
+    if producers is None or list(producers) == ["all"]:
+        names = list(runs_.PRODUCERS) if producers else list(runs_.DEFAULT_PRODUCERS)
+        for name in names:
+            package = runs_.PRODUCERS[name][1]
+            if not runs_.installed(package):
+                not_run[name] = f"{package} is not installed"
+            else:
+                chosen.append(name)
+    else:
+        unknown = [p for p in producers if p not in runs_.PRODUCERS]
+        if unknown:
+            raise CleanbufError(
+                f"unknown producer(s) {unknown}; choose from {list(runs_.PRODUCERS)} or 'all'."
+            )
+        for name in dict.fromkeys(producers):
+            runs_.require(name)
+            chosen.append(name)
+    if "envpool" in chosen and runs_.envpool_id(source) is None:
+        chosen.remove("envpool")
+        not_run["envpool"] = runs_.envpool_why_not(source)
+        if not chosen:
+            raise CleanbufError(f"no producer to run: envpool: {not_run['envpool']}.")
+    return chosen, not_run
+
+
+def _progress(enabled: bool | None, total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        desc="cleanbuf check",
+        unit="step",
+        file=sys.stderr,
+        disable=None if enabled is None else not enabled,
+        leave=False,
+    )
+
+
+def _options_of(env: Any) -> str:
+    """How ``AutoresetFilter.for_env`` configures itself for ``env``, in words."""
+    from cleanbuf.engine._errors import CleanbufWarning
+    from cleanbuf.online._transform import AutoresetFilter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CleanbufWarning)
+        o = AutoresetFilter.for_env(env).options
+    words = f"for_env: mode={o.mode}"
+    if o.layout:
+        words += f", layout={o.layout}"
+    if o.joint_reset:
+        words += ", joint_reset=True"
+    return words
+
+
+def _timeline(rows: Any, real: np.ndarray | None, truth: Any) -> dict:
+    """Env 0's first observation component and done flags, for the plot.
+
+    ``terminals``: the true terminal observations (component 0) of the
+    truth's (``truth``: env 0's truth rows) episode ends, in order.
+    """
+    n = rows.batch_size[0]
+    obs = report_.obs_columns(rows[:n], report_.OBS)[:, 0]
+    nxt = report_.obs_columns(rows[:n], report_.NEXT_OBS)[:, 0]
+    done = rows["next", "done"][:n].reshape(n).numpy()
+    real = np.ones(n, bool) if real is None else real[:n]
+    ends = truth["next", "done"].reshape(-1)
+    terminals = report_.obs_columns(truth[ends], report_.NEXT_OBS)[:, 0].tolist()
+    return {"obs": obs, "next": nxt, "done": done, "real": real, "terminals": terminals}
+
+
+def _run_one(name, source, settings, actions, truth, clean_fn, tick) -> Any:
+    """Runs, cleans and compares one producer; returns ``(result, timeline)``."""
+    num_envs, steps, seed = settings
+    run = runs_.run_producer(name, source, num_envs, steps, seed, actions, tick)
+    try:
+        runs_.filter_cleaning(run.batches[:2], run.env)  # compiled or loaded once, not timed
+        start = time.perf_counter()
+        cleaned = clean_fn(run.batches, run.env)
+        seconds = time.perf_counter() - start
+        options = _options_of(run.env)
+        repaired = runs_.repair_cleaning(run.batches, run.env)
+    finally:
+        run.close()
+    stored = report_.count_stored(run, truth)
+    compared = report_.compare_cleaned(run, cleaned, truth)
+    repair = None
+    if repaired is not None:
+        got = report_.compare_cleaned(run, repaired, truth)
+        repair = {
+            "rows": stored["rows"],
+            "masked": stored["rows"] - got["cleaned_rows"],
+            "differ": got["differ"],
+            "lost": got["lost"],
+            "differences": got["differences"],
+        }
+    result = report_.ProducerResult(
+        producer=name,
+        description=runs_.PRODUCERS[name][0],
+        **stored,
+        **compared,
+        clean_seconds=seconds,
+        collect_seconds=run.seconds,
+        repair=repair,
+        options=options,
+    )
+    return result, _timeline(run.rows[0], run.real[0], truth[0])
+
+
+def check(
+    env: str = "CartPole-v1",
+    *,
+    producers: Sequence[str] | str | None = None,
+    num_envs: int = 4,
+    steps: int = 300,
+    seed: int = 0,
+    max_episode_steps: int | None = None,
+    clean: CleanFn | str | None = None,
+    reproducer: str | os.PathLike | None = None,
+    replay: str | os.PathLike | None = None,
+    progress: bool | None = False,
+) -> report_.CheckReport:
+    """Runs ``env`` under each producer and against explicit resets; cleans and compares.
+
+    Each producer steps ``num_envs`` sub-envs ``steps`` times with seeded
+    random actions (env ``e``'s own sequence, the same in every run; a
+    reset step, whose action the env ignores, takes none). The truth is the
+    same env factory under Gymnasium ``AutoresetMode.DISABLED`` with
+    explicit partial resets, the same seeds and actions; it runs twice, and
+    an env whose two truth runs differ is not reproducible (status 3).
+    Each producer's rows are counted against the truth as stored (reset
+    rows, wrong terminal observations, truncations flagged as
+    terminations, wrong ``is_init`` / ``step_count``), then cleaned
+    (``AutoresetFilter.for_env(producer)``, as a buffer's transform) and
+    compared with the truth, row for row within each env.
+
+    Args:
+        env: a Gymnasium id, or ``package.module:function`` returning one
+            Gymnasium env.
+        producers: names from ``gym-next-step``, ``gym-same-step``,
+            ``torchrl-gymenv``, ``torchrl-serial``, ``torchrl-parallel``,
+            ``sb3-dummy``, ``envpool`` (a list or a comma-separated str),
+            or ``"all"``. None: those that start no process and are
+            installed. EnvPool runs its own version of a registered id,
+            compared with that version under explicit resets (one pool per
+            env); a factory or an id it lacks is not run (the report says
+            why).
+        num_envs: sub-envs per producer.
+        steps: steps per producer.
+        seed: sub-env ``e`` starts from ``reset(seed=seed + e)``; env
+            ``e``'s actions are drawn from its action space seeded ``seed + e``.
+        max_episode_steps: a time limit put on every sub-env.
+        clean: the cleaning to check, a function ``(batches, env) ->
+            cleaned rows`` (a TensorDict of flat rows keeping each row's
+            ``"env_id"``) or its ``"module:function"``; None:
+            ``AutoresetFilter.for_env(env)`` on each batch, then ``flush()``.
+        reproducer: where to write the reproducer when a difference is
+            found (None: ``cleanbuf-check-<env>.json`` here).
+        replay: a reproducer file: run its env, settings and actions again
+            (the other arguments but ``clean`` and ``progress`` are ignored).
+        progress: a progress bar on stderr (None: on a terminal).
+
+    Returns:
+        The :class:`report_.CheckReport`; ``report.status`` is 0 (equal), 1 (a
+        difference; the reproducer is written) or 3 (not reproducible).
+
+    Raises:
+        CleanbufError: the env cannot be built, a producer is unknown or
+            not installed (named), or a setting is out of range.
+
+    Examples:
+        >>> import cleanbuf
+        >>> report = cleanbuf.check("CartPole-v1", producers="gym-next-step", steps=60)
+        >>> report.status, report.producers[0].differ
+        (0, 0)
+        >>> p = report.producers[0]
+        >>> p.reset_rows == p.rows - p.cleaned_rows
+        True
+    """
+    clean_fn, clean_name, clean_ref = _clean_fn(clean)
+    actions = None
+    if replay is not None:
+        saved = _load(replay)
+        env, num_envs, steps = saved["env"], saved["num_envs"], saved["steps"]
+        seed, max_episode_steps = saved["seed"], saved["max_episode_steps"]
+        producers = saved["producers"]
+        actions = np.asarray(saved["actions"]["values"], dtype=saved["actions"]["dtype"])
+    if num_envs < 1 or steps < 2:
+        raise CleanbufError(f"num_envs={num_envs}, steps={steps}: need num_envs >= 1, steps >= 2.")
+    source = runs_.EnvSource(env, max_episode_steps)
+    _, action_space = source.probe()
+    names, not_run = _producers(producers, source)
+    if actions is None:
+        actions = runs_.action_sequences(action_space, num_envs, steps, seed)
+    with _progress(progress, steps * (len(names) + 2)) as bar, warnings.catch_warnings():
+        # EnvPool's spaces cast their bounds to float32, with a warning each: not the user's.
+        warnings.filterwarnings("ignore", message=".*precision lowered by casting")
+        truth = runs_.run_truth(source, num_envs, steps, seed, actions)
+        again = runs_.run_truth(source, num_envs, steps, seed, actions)
+        bar.update(2 * steps)
+        ends = truth["next", "done"]
+        trunc = truth["next", "truncated"] & ~truth["next", "terminated"]
+        out = report_.CheckReport(
+            env,
+            num_envs,
+            steps,
+            seed,
+            max_episode_steps,
+            int(ends.sum()),
+            int(trunc.sum()),
+            [],
+            not_run,
+            report_.first_truth_difference(truth, again),
+            clean_name,
+        )
+        truths = {"": truth}
+        if "envpool" in names and out.not_reproducible is None:
+            truths["envpool"] = runs_.run_envpool_truth(source, num_envs, steps, seed, actions)
+            again = runs_.run_envpool_truth(source, num_envs, steps, seed, actions)
+            differ = report_.first_truth_difference(truths["envpool"], again)
+            if differ is not None:
+                out.not_reproducible = f"EnvPool's version: {differ}"
+        if out.not_reproducible is not None:
+            return out
+        out.timelines["truth"] = _timeline(truth[0], None, truth[0])
+        for name in names:
+            result, timeline = _run_one(
+                name,
+                source,
+                (num_envs, steps, seed),
+                actions,
+                truths.get(name, truth),
+                clean_fn,
+                lambda: bar.update(1),
+            )
+            out.producers.append(result)
+            out.timelines[name] = timeline
+    if out.status == 1:
+        _write_reproducer(out, actions, clean_ref, reproducer, replay)
+    return out
+
+
+def _write_reproducer(
+    report: report_.CheckReport, actions: np.ndarray, clean_ref, path, replay
+) -> None:
+    if path is None:
+        path = (
+            replay
+            if replay is not None
+            else ("cleanbuf-check-" + re.sub(r"[^\w.-]+", "_", report.env) + ".json")
+        )
+    path = os.fspath(path)
+    bad = [p for p in report.producers if p.differs]
+    saved = {
+        "format": _FORMAT,
+        "env": report.env,
+        "num_envs": report.num_envs,
+        "steps": report.steps,
+        "seed": report.seed,
+        "max_episode_steps": report.max_episode_steps,
+        "producers": [p.producer for p in bad],
+        "clean": clean_ref,
+        "actions": {"dtype": str(actions.dtype), "values": actions.tolist()},
+        "differences": {p.producer: p.differences for p in bad},
+        "repair_differences": {p.producer: p.repair["differences"] for p in bad if p.repair},
+    }
+    with open(path, "w") as f:
+        json.dump(saved, f)
+    report.reproducer = path
+    flags = f" --clean {shlex.quote(clean_ref)}" if clean_ref else ""
+    report.replay = f"{_program()} check --replay {shlex.quote(path)}{flags}"
+    if clean_ref is None and report.cleaning != "AutoresetFilter.for_env(producer)":
+        report.replay += f"  (from Python: cleanbuf.check(replay={path!r}, clean=...))"
+
+
+def _load(path: str | os.PathLike) -> dict:
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CleanbufError(f"cannot read the reproducer {os.fspath(path)!r}: {err}") from err
+    if not isinstance(saved, dict) or saved.get("format") != _FORMAT:
+        raise CleanbufError(
+            f"{os.fspath(path)!r} is not a cleanbuf check reproducer (no format {_FORMAT!r})."
+        )
+    return saved
+
+
+EXAMPLES = """examples:
+  cleanbuf check                                   CartPole-v1, 4 envs, 300 steps
+  cleanbuf check Pendulum-v1 --steps 450
+  cleanbuf check Hopper-v5 --producer all --plot hopper.png
+  cleanbuf check mypackage.envs:make_env --max-episode-steps 100
+  cleanbuf check --replay cleanbuf-check-CartPole-v1.json
+
+producers: gym-next-step, gym-same-step, torchrl-gymenv, torchrl-serial,
+torchrl-parallel (starts processes), sb3-dummy, envpool (EnvPool ids only,
+against EnvPool's own env); default: those that start no process and are
+installed.
+
+exit status: 0 cleaned rows equal the explicit-reset run, 1 a difference
+(reproducer written), 2 error, 3 the env is not reproducible under seeds
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``cleanbuf check`` command line."""
+    p = argparse.ArgumentParser(
+        prog="cleanbuf check",
+        description="Run ENV under each producer and with explicit resets: what each producer "
+        "stores wrong, and whether cleanbuf's cleaned rows equal the explicit-reset run.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "env",
+        nargs="?",
+        default="CartPole-v1",
+        help="a Gymnasium id or package.module:function (default: CartPole-v1)",
+    )
+    p.add_argument(
+        "--producer",
+        action="append",
+        metavar="NAME",
+        help="a producer (repeat, or comma-separated; 'all': every one)",
+    )
+    p.add_argument("--num-envs", type=int, default=4, help="sub-envs (default: 4)")
+    p.add_argument("--steps", type=int, default=300, help="steps per producer (default: 300)")
+    p.add_argument("--seed", type=int, default=0, help="sub-env e starts at seed + e (default: 0)")
+    p.add_argument("--max-episode-steps", type=int, help="a time limit on every sub-env")
+    p.add_argument("--plot", metavar="FILE.png", help="draw env 0's rows against the truth")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--reproducer", metavar="FILE", help="where a difference's reproducer goes")
+    p.add_argument("--replay", metavar="FILE", help="run a reproducer again")
+    p.add_argument(
+        "--clean",
+        metavar="MODULE:FUNCTION",
+        help="the cleaning to check, (batches, env) -> rows (default: the filter)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``cleanbuf check``; returns the exit status."""
+    args = parser().parse_args(argv)
+    producers = None if not args.producer else ",".join(args.producer)
+    try:
+        report = check(
+            args.env,
+            producers=producers,
+            num_envs=args.num_envs,
+            steps=args.steps,
+            seed=args.seed,
+            max_episode_steps=args.max_episode_steps,
+            clean=args.clean,
+            reproducer=args.reproducer,
+            replay=args.replay,
+            progress=False if args.no_progress else None,
+        )
+        print(json.dumps(report.to_dict(), indent=1) if args.json else report)
+        if args.plot and report.producers:
+            report.plot(args.plot)
+            print(f"plot: {args.plot}")
+        return report.status
+    except CleanbufError as err:
+        print(f"cleanbuf check: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cleanbuf check: interrupted", file=sys.stderr)
+        return 2
+    except Exception as err:  # exit 1 means "a difference": anything else is 2
+        print(f"cleanbuf check: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2

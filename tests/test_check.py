@@ -1,0 +1,393 @@
+"""``cleanbuf check``: every number of its table, its verdicts and its exit codes.
+
+The numbers are checked against counts made here from the producers' raw
+rows and cleaned rows (recorded through the ``clean=`` seam, which runs the
+real filter), without the check's own alignment with the truth. The
+cleaned rows are also compared with a second explicit-reset run that the
+check does not build: the raw rows of TorchRL's ``SerialEnv`` of single
+envs, which resets explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import cleanbuf
+from cleanbuf import AutoresetFilter
+from cleanbuf.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_PROCESS = ["gym-next-step", "gym-same-step", "torchrl-gymenv", "torchrl-serial", "sb3-dummy"]
+WITH_ENVPOOL = [*IN_PROCESS, "envpool"]
+
+
+class Recorder:
+    """A ``clean=`` hook: the filter, as the check runs it, recording raw and cleaned rows."""
+
+    def __init__(self):
+        self.raw, self.cleaned = [], []
+
+    def __call__(self, batches, env):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", cleanbuf.CleanbufWarning)
+            filt = AutoresetFilter.for_env(env)
+            parts = [filt(b) for b in batches] + [filt.flush()]
+        rows = torch.cat([p for p in parts if p is not None and p.batch_size[0]])
+        step = batches[0].batch_dims == 1
+        self.raw.append(torch.stack(batches, 1) if step else torch.cat(batches, 1))
+        self.cleaned.append(rows)
+        return rows
+
+
+def _obs(td, key):
+    return td[key].reshape(*td.batch_size, -1).to(torch.float64)
+
+
+def _counts(raw, cleaned, producer, reset_reward=0.0):
+    """The table's numbers, counted from the rows alone.
+
+    Reset rows are the rows with the reward a reset step gives (0; the
+    envs used here never pay exactly 0 on a real step).
+    """
+    n_envs, steps = raw.batch_size
+    reward = raw["next", "reward"].reshape(n_envs, steps)
+    reset = reward == reset_reward
+    done = raw["next", "done"].reshape(n_envs, steps)
+    nxt = _obs(raw, ("next", "observation"))
+    zero = done & (nxt == 0).all(-1)
+    nan = done & torch.isnan(nxt).any(-1)
+    wrong_final = torch.zeros_like(done)
+    if ("next", "_final_obs") in raw.keys(True, True):
+        has = raw["next", "_final_obs"].reshape(n_envs, steps)
+        final = _obs(raw, ("next", "final_obs"))
+        wrong_final = done & has & ~(final == nxt).all(-1)
+    trunc_as_term = torch.zeros_like(done)
+    if producer == "sb3-dummy":  # SB3's dones hold its truncations
+        trunc_as_term = raw["next", "truncated"].reshape(n_envs, steps)
+    wrong_book = None
+    if "step_count" in raw.keys():
+        wrong_book = 0
+        for e in range(n_envs):
+            c = 0
+            for t in range(steps):
+                if reset[e, t]:
+                    continue
+                got = (bool(raw["is_init"][e, t]), int(raw["step_count"][e, t]))
+                wrong_book += got != (c == 0, c)
+                c = 0 if done[e, t] else c + 1
+    lost = torch.isnan(cleaned["next", "observation"].reshape(len(cleaned), -1)).any(-1)
+    return {
+        "rows": n_envs * steps,
+        "reset_rows": int(reset.sum()),
+        "done_rows": int((done & ~reset).sum()),
+        "terminal_zero": int(zero.sum()),
+        "terminal_nan": int(nan.sum()),
+        "terminal_reset_obs": int(wrong_final.sum()),
+        "terminal_other": 0,
+        "truncation_as_termination": int(trunc_as_term.sum()),
+        "wrong_init_or_step": wrong_book,
+        "cleaned_rows": len(cleaned),
+        "lost": int(lost.sum()),
+    }
+
+
+def _same_as_explicit_resets(cleaned, explicit):
+    """Each env's cleaned rows equal the explicit-reset rows (lost ones aside); returns NaNs."""
+    ids = cleaned["env_id"].reshape(-1)
+    n_lost = 0
+    for e in range(explicit.batch_size[0]):
+        got = cleaned[ids == e]
+        n = len(got)
+        want = explicit[e][:n]
+        for key in (
+            "observation",
+            ("next", "observation"),
+            ("next", "reward"),
+            ("next", "terminated"),
+            ("next", "truncated"),
+        ):
+            x, y = _obs(got, key), _obs(want, key)
+            lost = torch.isnan(x).any(-1)
+            n_lost += int(lost.sum()) if key == ("next", "observation") else 0
+            assert torch.equal(x[~lost], y[~lost]), (e, key)
+    return n_lost
+
+
+def _chained(cleaned):
+    """Within each env, a row's next observation is the next row's, but at episode ends."""
+    ids = cleaned["env_id"].reshape(-1)
+    for e in ids.unique():
+        rows = cleaned[ids == e]
+        done = rows["next", "done"].reshape(-1)[:-1]
+        nxt, obs = _obs(rows, ("next", "observation"))[:-1], _obs(rows, "observation")[1:]
+        assert torch.equal(nxt[~done], obs[~done]), int(e)
+        assert (rows["next", "reward"] != 0).all(), int(e)
+
+
+def _check_every_number(report, recorder):
+    assert [p.producer for p in report.producers] == WITH_ENVPOOL[: len(report.producers)]
+    explicit = recorder.raw[[p.producer for p in report.producers].index("torchrl-serial")]
+    assert report.truth_episode_ends == int(explicit["next", "done"].sum())
+    only_truncated = explicit["next", "truncated"] & ~explicit["next", "terminated"]
+    assert report.truth_truncations == int(only_truncated.sum())
+    for p, raw, cleaned in zip(report.producers, recorder.raw, recorder.cleaned):
+        counted = _counts(raw, cleaned, p.producer)
+        table = {k: getattr(p, k) for k in counted}
+        if p.wrong_init_or_step is None:
+            assert counted["wrong_init_or_step"] is None
+        assert table == counted, p.producer
+        assert p.cleaned_rows == p.rows - p.reset_rows
+        assert p.differ == 0 and p.clean_seconds > 0
+        if p.producer == "envpool":  # its own C++ env: chained rows, no reset row left
+            _chained(cleaned)
+        else:
+            assert _same_as_explicit_resets(cleaned, explicit) == p.lost
+        if p.producer.startswith("torchrl-"):  # [E, T] batches: the on-policy repair too
+            assert p.repair["masked"] == counted["reset_rows"]
+            assert p.repair["differ"] == 0 and p.repair["lost"] == p.lost
+        else:
+            assert p.repair is None
+
+
+def test_cartpole_every_number_against_the_raw_rows():
+    """Bugs caught: a count of the table taken from the wrong rows (reset
+    rows counted as done rows, zero-filled terminal observations missed,
+    the same-step reset observation not counted, the step counts of
+    TorchRL's rows after a reset row not flagged), a producer whose cleaned
+    rows differ from an explicit-reset run while the check says 0, a
+    verdict of "equal" that was never checked, the wrong exit status, the
+    on-policy repair of TorchRL's batches masking other rows than the reset
+    rows.
+    """
+    recorder = Recorder()
+    report = cleanbuf.check("CartPole-v1", producers=WITH_ENVPOOL, steps=150, clean=recorder)
+    assert report.status == 0
+    _check_every_number(report, recorder)
+    by = {p.producer: p for p in report.producers}
+    # what each producer is known to store wrong on CartPole
+    assert by["gym-next-step"].reset_rows == by["gym-next-step"].done_rows > 0
+    assert by["torchrl-gymenv"].terminal_zero > 0 and by["torchrl-gymenv"].wrong_init_or_step > 0
+    assert by["gym-same-step"].terminal_reset_obs == by["gym-same-step"].done_rows > 0
+    assert by["torchrl-serial"].stored_wrong == 0
+    text = str(report)
+    assert "Prefer torchrl-serial" in text and "Exit 0" in text
+    for p in report.producers:
+        line = next(row for row in text.splitlines() if row.startswith(p.producer + " "))
+        numbers = [int(n) for n in re.findall(r"(?<![\w.])\d+(?![\w.])", line.split("|")[0])]
+        assert numbers[:2] == [p.rows, p.reset_rows], line
+
+
+def test_pendulum_joint_resets_are_reported_as_lost():
+    """Pendulum (every episode ends at the 200-step limit, in all envs at
+    once). Bugs caught: the terminal observations TorchRL's GymEnv loses at
+    its joint resets reported as a difference (exit 1) or hidden (not in
+    the lost count, no reason given), SB3's truncations not counted as
+    flagged terminations, a fixed-horizon reset row (every env at once in a
+    raw loop) taken for a joint reset.
+    """
+    recorder = Recorder()
+    report = cleanbuf.check("Pendulum-v1", producers=WITH_ENVPOOL, steps=210, clean=recorder)
+    assert report.status == 0
+    _check_every_number(report, recorder)
+    by = {p.producer: p for p in report.producers}
+    assert by["torchrl-gymenv"].lost == 4 and by["torchrl-gymenv"].lost_why == {"joint": 4}
+    assert by["gym-next-step"].lost == 0 and by["gym-next-step"].reset_rows == 4
+    assert by["sb3-dummy"].truncation_as_termination == 4
+    text = str(report)
+    assert "4 terminal observation(s) lost for good" in text and "lossless_gym_env" in text
+
+
+def test_custom_factory_from_the_command_line(capsys, monkeypatch, tmp_path):
+    """A ``module:function`` factory with its own time limit. Bugs caught: a
+    custom env refused or built as a Gymnasium id, TorchRL's GymEnv unable
+    to take it, a truncation read as a termination by the truth, a step
+    that both terminated and truncated (SB3 reports it terminated only)
+    called a difference of the cleaning.
+    """
+    monkeypatch.chdir(tmp_path)  # where a reproducer would go
+    status = main(
+        [
+            "check",
+            "tests.check_envs:make_walk",
+            "--steps",
+            "120",
+            "--producer",
+            ",".join(IN_PROCESS),
+            "--no-progress",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert status == 0, out + err
+    truth = re.search(r"(\d+)\s+episode\s+ends\s+\((\d+)\s+truncations\)", out)
+    assert int(truth.group(1)) > int(truth.group(2)) > 0, out  # both kinds of episode end
+    assert "sb3-dummy: 1 step(s) ended both ways" in out  # counted apart, not a difference
+    assert "Exit 0" in out
+
+
+def test_an_env_whose_reset_ignores_its_seed_exits_3(capsys, monkeypatch, tmp_path):
+    """Bug caught: an env that is not reproducible under seeds compared
+    anyway (a difference blamed on the cleaning, exit 1) or called clean.
+    """
+    monkeypatch.chdir(tmp_path)
+    status = main(
+        ["check", "tests.check_envs:make_unseeded_walk", "--steps", "60", "--no-progress"]
+    )
+    out = capsys.readouterr().out
+    assert status == 3, out
+    assert "not reproducible under seeds" in out and "self.np_random" in out
+    assert "producer" not in out  # no table: nothing was compared
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["NoSuchEnv-v0"], "NoSuchEnv-v0"),
+        (["tests.check_envs:make_not_an_env"], "not a Gymnasium env"),
+        (["tests.check_envs:make_dict_walk"], "FlattenObservation"),
+        (["CartPole-v1", "--producer", "gym-nextstep"], "gym-nextstep"),
+        (["tests.check_envs:make_walk", "--producer", "envpool"], "not from a Gymnasium factory"),
+    ],
+)
+def test_errors_exit_2_and_say_what(args, named, capsys):
+    """Bugs caught: an unknown env id, a factory that returns no env, an
+    observation the check cannot compare (a Dict), a misspelt producer or
+    EnvPool on a factory ending in a traceback or in exit 1
+    (which means "a difference"), or an error that does not name the thing.
+    """
+    assert main(["check", *args, "--no-progress"]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_a_producer_not_installed_exits_2_naming_it(monkeypatch, capsys):
+    """Bug caught: a producer asked for whose package is missing skipped
+    silently (the user thinks it was checked) or failing with a bare
+    ImportError; left out of the defaults, it is listed as not run.
+    """
+    monkeypatch.setitem(sys.modules, "stable_baselines3", None)  # import fails
+    assert main(["check", "--producer", "sb3-dummy", "--no-progress"]) == 2
+    assert "stable-baselines3" in capsys.readouterr().err
+    report = cleanbuf.check(producers=None, steps=30)
+    assert "sb3-dummy" not in [p.producer for p in report.producers]
+    assert "not installed" in report.not_run["sb3-dummy"]
+
+
+def test_a_broken_cleaning_exits_1_with_a_reproducer_that_replays(tmp_path, capsys):
+    """A test double that keeps one reset row. Bugs caught: a cleaning that
+    differs from the explicit-reset run passing the check, exit 1 without
+    a reproducer, a reproducer that does not replay (other actions, other
+    seeds, another producer), a printed command that does not run.
+    """
+    path = tmp_path / "repro.json"
+    hook = "tests.check_envs:keeps_one_reset_row"
+    status = main(
+        [
+            "check",
+            "--producer",
+            "gym-next-step",
+            "--steps",
+            "80",
+            "--clean",
+            hook,
+            "--reproducer",
+            str(path),
+            "--no-progress",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert "DIFFERENCE: gym-next-step" in out and str(path) in out
+    saved = json.loads(path.read_text())
+    assert saved["producers"] == ["gym-next-step"] and saved["clean"] == hook
+    assert np.asarray(saved["actions"]["values"]).shape == (4, 80)
+    command = next(line for line in out.splitlines() if line.startswith("Replay it: "))
+    argv = command.removeprefix("Replay it: ").split()
+    assert argv[1:] == ["check", "--replay", str(path), "--clean", hook], argv
+    assert main(argv[1:]) == 1  # the printed command replays the difference
+    capsys.readouterr()
+    again = cleanbuf.check(replay=path, clean=hook)
+    assert again.status == 1
+    assert again.producers[0].differences == saved["differences"]["gym-next-step"]
+    fixed = cleanbuf.check(replay=path)  # the same run, cleaned by cleanbuf: equal
+    assert fixed.status == 0 and fixed.producers[0].differ == 0
+
+
+def test_json_holds_the_table(capsys):
+    """Bug caught: ``--json`` failing on a value JSON cannot hold (NumPy
+    numbers, the plot's arrays) or leaving out the status.
+    """
+    assert main(["check", "--steps", "40", "--producer", "gym-next-step", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["status"] == 0 and out["producers"][0]["reset_rows"] > 0
+
+
+def test_help_lists_every_command(capsys):
+    """Bug caught: ``cleanbuf --help`` that leaves out check (or the
+    commands on data on disk), and ``cleanbuf audit`` no longer reached.
+    """
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(c in out for c in ("check", "audit", "clean"))
+    assert main(["audit", "no/such/file.npz"]) == 2
+
+
+def test_plot_draws_a_png(tmp_path):
+    """Bug caught: ``--plot`` failing after the table was printed (the
+    status lost to a traceback) or writing nothing.
+    """
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "check.png"
+    assert main(["check", "--steps", "60", "--plot", str(path), "--no-progress"]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow  # MuJoCo and a process per sub-env (ParallelEnv)
+def test_mujoco_every_producer():
+    """HalfCheetah-v5 with a 50-step limit: every episode a joint
+    truncation. Bugs caught: float64 observations compared after a cast,
+    the ParallelEnv's workers seeded otherwise than the truth, MuJoCo's
+    lost observations taken for differences, EnvPool's MuJoCo compared with
+    Gymnasium's instead of its own.
+    """
+    pytest.importorskip("mujoco")
+    report = cleanbuf.check("HalfCheetah-v5", producers="all", steps=120, max_episode_steps=50)
+    assert report.status == 0, str(report)
+    by = {p.producer: p for p in report.producers}
+    assert by["torchrl-gymenv"].lost == 8 and by["torchrl-parallel"].stored_wrong == 0
+    assert by["envpool"].reset_rows == 8  # EnvPool's own HalfCheetah, its own truth
+
+
+@pytest.mark.slow  # a fresh interpreter running the command
+def test_the_readme_shows_the_command_and_its_output():
+    """Bug caught: the README's first section showing a command or an
+    output that the command no longer gives (times aside).
+    """
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```console\n(.*?)```", text, re.S).group(1)
+    command, *shown = block.splitlines()
+    assert command.startswith("$ cleanbuf check")
+    args = command.removeprefix("$ cleanbuf ").split()
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-m", "cleanbuf", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+
+    def norm(lines):
+        return [" ".join(re.sub(r"\d+ ms", "N ms", line).split()) for line in lines if line.strip()]
+
+    assert norm(done.stdout.splitlines()) == norm(shown)
