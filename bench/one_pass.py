@@ -99,7 +99,7 @@ def plan_one_pass(done, reward, obs, nobs, steps, held, last, keep, src, dst):
 def leaves_of(td, prefix=()) -> list:
     """``[(key, tensor)]`` of every leaf, walking the TensorDict's own dict.
 
-    1 us; the public ``items(True, True)`` takes 30 us here.
+    About a thirtieth of what the public ``items(True, True)`` takes.
     """
     out = []
     for k, v in td._tensordict.items():
