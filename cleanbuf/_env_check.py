@@ -39,6 +39,7 @@ import numpy as np
 import cleanbuf._env_check_report as report_
 import cleanbuf._env_check_runs as runs_
 from cleanbuf.engine._errors import CleanbufError
+from cleanbuf.offline._audit import program
 
 CleanFn = Callable[[list, Any], Any]
 _FORMAT = "cleanbuf-check-reproducer/1"
@@ -61,16 +62,6 @@ def _clean_fn(clean: CleanFn | str | None) -> tuple[CleanFn, str, str | None]:
     name = f"{getattr(clean, '__module__', '?')}:{getattr(clean, '__qualname__', '?')}"
     importable = re.fullmatch(r"[\w.]+:\w+", name) is not None
     return clean, name, name if importable else None
-
-
-def _program() -> str:
-    """The command this process was run as, so that a printed command runs as printed."""
-    argv0 = sys.argv[0] if sys.argv else ""
-    if os.path.basename(argv0) == "cleanbuf":
-        return shlex.quote(argv0)
-    if argv0.endswith(os.path.join("cleanbuf", "__main__.py")):
-        return f"{shlex.quote(sys.executable)} -m cleanbuf"
-    return "cleanbuf"
 
 
 def _producers(producers: Sequence[str] | str | None, source: Any) -> tuple[list[str], dict]:
@@ -348,7 +339,7 @@ def _write_reproducer(
         json.dump(saved, f)
     report.reproducer = path
     flags = f" --clean {shlex.quote(clean_ref)}" if clean_ref else ""
-    report.replay = f"{_program()} check --replay {shlex.quote(path)}{flags}"
+    report.replay = f"{program()} check --replay {shlex.quote(path)}{flags}"
     if clean_ref is None and report.cleaning != "AutoresetFilter.for_env(producer)":
         report.replay += f"  (from Python: cleanbuf.check(replay={path!r}, clean=...))"
 
