@@ -198,17 +198,30 @@ def test_the_output_is_checked_before_it_is_moved(loop, tmp_path, monkeypatch):
     assert not [p for p in os.listdir(tmp_path) if "cleanbuf-tmp" in p]
 
 
-def test_a_dst_without_a_suffix_keeps_the_source_format(loop, tmp_path):
-    """Bug caught: a .npz source cleaned to a plain name written as some
-    other format than the one the user has (the name says nothing else).
+def test_a_file_source_into_a_plain_name_is_refused(loop, tmp_path, capsys):
+    """Bug caught: a .npz source cleaned to a name without a suffix written
+    as a file that cleanbuf itself then cannot read (it reads files by
+    their suffix), after a check that read it under another name.
+    """
+    data, _ = loop
+    source = _save("npz", data, tmp_path)
+    for name in ("cleaned", "out.v2"):
+        with pytest.raises(InputError, match=rf"names no format: name it .*{name}\.npz"):
+            clean_dataset(source, str(tmp_path / name))
+        assert not os.path.exists(tmp_path / name)
+
+
+def test_a_dump_from_a_file_loads_into_a_buffer_of_its_rows(loop, tmp_path, capsys):
+    """Bug caught: a .npz cleaned into a dump directory laid out for the
+    source's rows, so that rb.loads refused a buffer of the rows cleaned
+    (with a raw torch error) and nothing said which size it needed.
     """
     data, oracle = loop
     source = _save("npz", data, tmp_path)
-    clean_dataset(source, str(tmp_path / "cleaned"))
-    assert open(tmp_path / "cleaned", "rb").read(4) == b"PK\x03\x04"
-    with open(tmp_path / "cleaned", "rb") as f:
-        rows = dict(np.load(f))
-    _compare(rows, oracle, _expected_rows(data))
+    assert main(["clean", source, os.path.join(tmp_path, "dst/"), "--no-progress"]) == 0
+    want = _expected_rows(data)
+    assert f"capacity              {want.sum()} (load it" in capsys.readouterr().out
+    _compare(_load(str(tmp_path / "dst"), int(want.sum())), oracle, want)
 
 
 def test_a_dst_naming_another_format_is_refused(loop, tmp_path, capsys):

@@ -129,11 +129,12 @@ def clean_dataset(
         dst: where to write the cleaned dataset (refused if it exists, unless
             ``force``); None keeps the cleaned rows in memory. A name
             ending ``.npz`` is written as a ``.npz`` file, ``.h5`` /
-            ``.hdf5`` as an HDF5 file, one ending with a slash as a
-            directory (a memmap directory from one, else a TorchRL dump
-            that ``rb.loads`` reads); any other name in SRC's format. A
-            name of another file format (``.pt``, ``.pkl``, ...) is refused
-            before anything is read.
+            ``.hdf5`` as an HDF5 file, one ending with a slash (or any
+            name, where SRC is a directory) as a directory: a memmap
+            directory from one, else a TorchRL dump that ``rb.loads``
+            reads into a buffer of ``Cleaned.capacity`` rows. A name of
+            another file format (``.pt``, ``.pkl``, ...), or of no format
+            where SRC is a file, is refused before anything is read.
         force: replace an existing ``dst``.
         progress: show a progress bar on stderr (needs ``tqdm``).
         say: where a note goes before anything is written (the command line
@@ -177,7 +178,7 @@ def clean_dataset(
             dst,
             capacity,
             force=force,
-            fit=ds.capacity,
+            fit=ds.capacity if ds.format == DUMP else None,
             names=ds.names,
             casts=ds.casts,
             say=say,

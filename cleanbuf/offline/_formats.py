@@ -62,9 +62,9 @@ OTHER_FILE_SUFFIXES = (
     ".parquet", ".zarr", ".txt",
 )  # fmt: skip
 WRITTEN = (
-    "a .npz file (DST ending .npz), an HDF5 file (.h5, .hdf5), a directory (DST ending "
-    "with a slash: a TorchRL dump, or a TensorDict memmap directory when SRC is one), or "
-    "SRC's format (any other name)"
+    "a .npz file (DST ending .npz), an HDF5 file (.h5, .hdf5), or a directory (DST ending "
+    "with a slash, or any name when SRC is a directory: a TorchRL dump, or a TensorDict "
+    "memmap directory when SRC is one)"
 )
 
 
@@ -73,13 +73,22 @@ class OutputCheckError(CleanbufError):
 
 
 def output_format(dst: str, src_format: str) -> str:
-    """The format ``dst`` names: its suffix, a trailing slash for a directory, else SRC's.
+    """The format ``dst`` names: its suffix for a file, else a directory.
+
+    A directory is a TorchRL dump, or a memmap directory when SRC is one.
+    A name without a file suffix is a directory where SRC is one, and is
+    refused where SRC is a file: cleanbuf reads a file by its suffix, so
+    the output could not be read back.
+
+    Raises:
+        InputError: ``dst`` names a file format cleanbuf does not write,
+            or no format for a file source.
 
     Examples:
         >>> output_format("clean.h5", NPZ), output_format("runs/rb_clean", MEMMAP)
         ('hdf5', 'memmap')
-        >>> output_format("runs/rb_clean/", NPZ), output_format("runs/clean", NPZ)
-        ('torchrl-dump', 'npz')
+        >>> output_format("runs/rb_clean/", NPZ), output_format("runs/rb.v2", DUMP)
+        ('torchrl-dump', 'torchrl-dump')
         >>> output_format("clean.pkl", NPZ)
         Traceback (most recent call last):
         ...
@@ -92,9 +101,13 @@ def output_format(dst: str, src_format: str) -> str:
         return HDF5
     if suffix in OTHER_FILE_SUFFIXES:
         raise InputError(f"DST {dst} names a format cleanbuf does not write; it writes {WRITTEN}.")
-    if dst.endswith(("/", os.sep)):
-        return MEMMAP if src_format == MEMMAP else DUMP
-    return src_format if src_format in (DUMP, MEMMAP, NPZ, HDF5) else DUMP
+    directory = MEMMAP if src_format == MEMMAP else DUMP
+    if dst.endswith(("/", os.sep)) or src_format in (DUMP, MEMMAP):
+        return directory
+    raise InputError(
+        f"DST {dst} names no format: name it {dst.rstrip('/')}.npz (a .npz file), .h5 (HDF5) "
+        f"or {dst.rstrip('/')}/ (a TorchRL dump directory); cleanbuf reads a file by its suffix."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -861,7 +874,8 @@ class Writer:
     With the rows goes each row's env index (:mod:`cleanbuf.offline._marker`).
     A dump is laid out for ``capacity`` rows and, when the rows written fit
     ``fit`` (the source buffer's size), cut to ``fit``: ``rb.loads`` reads
-    it into a buffer built as the source's was. ``keys``, the roles the
+    it into a buffer built as the source's was. Without ``fit`` (a source
+    that is no buffer) it is cut to the rows written. ``keys``, the roles the
     user named (``--key``), are those :meth:`commit` reads the output with.
     """
 
@@ -963,9 +977,15 @@ class Writer:
         return None if leaf is None else leaf[self.n : self.n + rows]
 
     def _capacity(self) -> int:
-        """The rows the dump holds room for: ``fit`` if the rows fit it, else as laid out."""
+        """The rows the dump holds room for.
+
+        ``fit`` (the source buffer's size) if the rows fit it, else as laid
+        out; without ``fit`` (a source that is no buffer), the rows written.
+        """
         size = self.rb.storage.max_size
-        return self.fit if self.fit is not None and self.n <= self.fit < size else size
+        if self.fit is None:
+            return self.n
+        return self.fit if self.n <= self.fit < size else size
 
     def commit(self, mark: dict | None = None, rows: int | None = None) -> None:
         """Finishes the dataset and moves it to ``dst`` once it reads back whole.

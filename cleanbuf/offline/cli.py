@@ -284,6 +284,11 @@ def _run(args: argparse.Namespace, audit, clean_dataset) -> int:
             print(f"cleaned {args.src} -> {args.dst}")
             for k, v in stats.items():
                 print(f"  {k:22s}{v}")
+            if done.capacity is not None:
+                print(
+                    f"  {'capacity':22s}{done.capacity} (load it into a buffer of exactly this "
+                    f"size: ReplayBuffer(storage=LazyMemmapStorage({done.capacity})).loads(DST))"
+                )
         return 0
     except (CleanbufError, OSError) as err:
         print(f"cleanbuf {args.command}: {err}{flags_for(str(err))}", file=sys.stderr)
