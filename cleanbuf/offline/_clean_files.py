@@ -27,6 +27,7 @@ from cleanbuf.engine._keys import DONE_KEYS, done_flags
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._write import BufferPool, Views
 from cleanbuf.offline._audit import Report, analyse, stream_positions
+from cleanbuf.offline._compat import quiet_torchrl_log
 from cleanbuf.offline._formats import (
     DUMP,
     Collect,
@@ -186,8 +187,9 @@ def clean_dataset(
         )
     bar = _progress(report.rows, progress)
     try:
-        stats = _clean(ds, report, streams, opts, writer, bar)
-        writer.commit(_mark(ds, opts, stats), rows=stats["rows_out"])
+        with quiet_torchrl_log():  # the writer's storage is a means: no INFO line for it
+            stats = _clean(ds, report, streams, opts, writer, bar)
+            writer.commit(_mark(ds, opts, stats), rows=stats["rows_out"])
     except BaseException:
         writer.abort()
         raise

@@ -8,6 +8,8 @@ new release shows up there first.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any
 
 
@@ -39,3 +41,26 @@ def lay_out(storage: Any, rows: Any) -> None:
         init(rows[0])
     else:
         storage.set(slice(0, 1), rows[:1], set_cursor=False)
+
+
+@contextlib.contextmanager
+def quiet_torchrl_log():
+    """TorchRL's INFO lines held back for the duration (its logger at WARNING at least).
+
+    TorchRL logs a line as each storage is laid out ("Initialized
+    LazyMemmapStorage ..."): the offline writer's storage is a means, not
+    something the user made, and the line is noise among a command's
+    report or a call's result. The logger's level is put back after.
+
+    Examples:
+        >>> with quiet_torchrl_log():
+        ...     logging.getLogger("torchrl").level >= logging.WARNING
+        True
+    """
+    log = logging.getLogger("torchrl")
+    level = log.level
+    log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        log.setLevel(level)

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import re
 import sys
 
 from cleanbuf.engine._errors import CleanbufError
 from cleanbuf.engine._options import LOST_POLICIES, MODES
 from cleanbuf.offline._axes import LAYOUTS
+from cleanbuf.offline._compat import quiet_torchrl_log
 from cleanbuf.offline._names import parse_keys
 
 EXAMPLES = """examples:
@@ -244,15 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     from cleanbuf.offline import audit, clean_dataset
 
     args = _parser().parse_args(argv)
-    # TorchRL logs an INFO line as each storage is laid out (the writer's):
-    # noise on a command whose output is its report or its stats.
-    torchrl_log = logging.getLogger("torchrl")
-    level = torchrl_log.level
-    torchrl_log.setLevel(max(level, logging.WARNING))
-    try:
+    with quiet_torchrl_log():  # no TorchRL INFO line among the report or the stats
         return _run(args, audit, clean_dataset)
-    finally:
-        torchrl_log.setLevel(level)
 
 
 def _run(args: argparse.Namespace, audit, clean_dataset) -> int:
