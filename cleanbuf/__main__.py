@@ -10,13 +10,6 @@ from __future__ import annotations
 
 import sys
 
-_CHECK_HELP = """commands:
-  check               run an env under each producer (Gymnasium, TorchRL, SB3, EnvPool) and
-                      with explicit resets: what each stores wrong, and whether cleanbuf's
-                      cleaned rows equal the explicit-reset run (cleanbuf check --help)
-  the commands below  data on disk (cleanbuf COMMAND --help)
-"""
-
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
@@ -27,10 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         return check_main(argv[1:])
     from cleanbuf.offline.cli import main as offline_main
 
-    if argv[:1] in ([], ["-h"], ["--help"]):
-        print("usage: cleanbuf check [ENV] [options]\n")
-        print(_CHECK_HELP)
-    return offline_main(argv)
+    return offline_main(argv)  # (its help lists check too)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,9 @@ def _run_one(name, source, settings, actions, truth, clean_fn, tick) -> Any:
     num_envs, steps, seed = settings
     run = runs_.run_producer(name, source, num_envs, steps, seed, actions, tick)
     try:
-        runs_.filter_cleaning(run.batches[:2], run.env)  # compiled or loaded once, not timed
+        # Untimed, over every batch: numba compiles (or loads) each kernel the
+        # rows need, some only at the first episode end, on its first call.
+        runs_.filter_cleaning(run.batches, run.env)
         start = time.perf_counter()
         cleaned = clean_fn(run.batches, run.env)
         seconds = time.perf_counter() - start
@@ -229,6 +231,8 @@ def check(
             found (None: ``cleanbuf-check-<env>.json`` here).
         replay: a reproducer file: run its env, settings and actions again
             (the other arguments but ``clean`` and ``progress`` are ignored).
+            Without ``clean``, cleanbuf's cleaning runs, and the report says
+            which cleaning the reproducer recorded.
         progress: a progress bar on stderr (None: on a terminal).
 
     Returns:
@@ -248,7 +252,6 @@ def check(
         >>> p.reset_rows == p.rows - p.cleaned_rows
         True
     """
-    clean_fn, clean_name, clean_ref = _clean_fn(clean)
     actions = None
     if replay is not None:
         saved = _load(replay)
@@ -256,6 +259,13 @@ def check(
         seed, max_episode_steps = saved["seed"], saved["max_episode_steps"]
         producers = saved["producers"]
         actions = np.asarray(saved["actions"]["values"], dtype=saved["actions"]["dtype"])
+    clean_fn, clean_name, clean_ref = _clean_fn(clean)
+    if replay is not None and clean is None and saved.get("clean"):
+        # Replayed with cleanbuf's own cleaning: say that it is not the one recorded.
+        clean_name += (
+            f" (the reproducer recorded {saved['clean']}, not used: pass --clean "
+            f"{saved['clean']} to replay it)"
+        )
     if num_envs < 1 or steps < 2:
         raise CleanbufError(f"num_envs={num_envs}, steps={steps}: need num_envs >= 1, steps >= 2.")
     source = runs_.EnvSource(env, max_episode_steps)

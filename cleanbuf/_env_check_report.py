@@ -11,6 +11,7 @@ rows are compared with the truth's, row for row within each env
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -119,8 +120,9 @@ class ProducerResult:
 
 
 def _flat(td: TensorDict, key: Any, n: int) -> np.ndarray:
-    """A key's values, one row each: ``[n, -1]`` as float64 (NaN kept)."""
-    return td[key].reshape(n, -1).to(torch.float64).numpy()
+    """A key's values, one row each: ``[n, width]`` as float64 (NaN kept); n may be 0."""
+    x = td[key]
+    return x.reshape(n, math.prod(x.shape[1:])).to(torch.float64).numpy()
 
 
 def _obs_leaves(td: TensorDict, root: tuple) -> list:
@@ -414,8 +416,9 @@ def _repair_lines(report: CheckReport) -> list[str]:
 def _advice(report: CheckReport) -> list[str]:
     """Plain words: which producer to prefer, and what to pass."""
     ps = report.producers
-    clean = [p.producer for p in ps if p.stored_wrong == 0 and p.lost == 0]
-    whole = [p.producer for p in ps if p.lost == 0]
+    # (a producer whose cleaned rows differ from the truth is never preferred)
+    clean = [p.producer for p in ps if p.stored_wrong == 0 and p.lost == 0 and not p.differs]
+    whole = [p.producer for p in ps if p.lost == 0 and not p.differs]
     out = []
     if clean:
         out.append(f"Prefer {', '.join(clean)}: nothing stored wrong, nothing to clean.")

@@ -135,6 +135,31 @@ class EnvSource:
             env = g.wrappers.TimeLimit(env, self.max_episode_steps)
         return env
 
+    def _factory_problem(self) -> str | None:
+        """What is wrong with a ``module:function`` name that built no env, or None.
+
+        Gymnasium reads ``module:EnvId`` itself (it imports the module, which
+        registers the id), so its error for a missing function or module
+        speaks of env registration; this says what the user wrote instead.
+        """
+        module, sep, attr = self.name.partition(":")
+        if not sep:
+            return None
+        try:
+            found = importlib.import_module(module)
+        except ImportError as err:
+            return (
+                f"cannot build env {self.name!r}: module {module!r} cannot be imported ({err}). "
+                "Run from the directory that holds it, or add that directory to PYTHONPATH."
+            )
+        if hasattr(found, attr):
+            return None
+        return (
+            f"cannot build env {self.name!r}: module {module!r} has no {attr!r}. Pass "
+            "module:function naming a function that returns one Gymnasium env (or "
+            "module:EnvId for an env id the module registers)."
+        )
+
     def probe(self) -> tuple[Any, Any]:
         """``(observation space, action space)`` of one sub-env; raises if it cannot be built."""
         try:
@@ -143,10 +168,10 @@ class EnvSource:
             raise
         except Exception as err:
             raise CleanbufError(
-                f"cannot build env {self.name!r}: {type(err).__name__}: {str(err).rstrip('.')}. "
-                "Pass a Gymnasium "
-                "id (gymnasium.pprint_registry() lists them) or package.module:function "
-                "returning one Gymnasium env."
+                self._factory_problem()
+                or f"cannot build env {self.name!r}: {type(err).__name__}: "
+                f"{str(err).rstrip('.')}. Pass a Gymnasium id (gymnasium.pprint_registry() "
+                "lists them) or package.module:function returning one Gymnasium env."
             ) from err
         try:
             spaces = env.observation_space, env.action_space
@@ -497,8 +522,12 @@ def envpool_id(source: EnvSource) -> str | None:
 
 def envpool_why_not(source: EnvSource) -> str:
     """Why ``source`` cannot be run on EnvPool (a factory, or an id EnvPool lacks)."""
-    what = "a factory" if source.factory() is not None else f"{source.name!r}, not an EnvPool id"
-    return f"{ENVPOOL_WHY}; {what} (envpool.list_all_envs() lists its ids)"
+    if source.factory() is not None:
+        return f"{ENVPOOL_WHY}, and {source.name} is a factory"
+    return (
+        f"{ENVPOOL_WHY}, and {source.name!r} is not one of its ids (envpool.list_all_envs() "
+        "lists them)"
+    )
 
 
 def _envpool(source: EnvSource, num_envs: int, seed: int) -> Any:

@@ -318,6 +318,33 @@ def test_a_broken_cleaning_exits_1_with_a_reproducer_that_replays(tmp_path, caps
     assert again.producers[0].differences == saved["differences"]["gym-next-step"]
     fixed = cleanbuf.check(replay=path)  # the same run, cleaned by cleanbuf: equal
     assert fixed.status == 0 and fixed.producers[0].differ == 0
+    # ... and it says that the cleaning recorded was not the one replayed
+    said = " ".join(str(fixed).split())  # (the prose is wrapped)
+    assert f"the reproducer recorded {hook}, not used: pass --clean {hook}" in said
+    assert "Prefer gym-next-step" not in out  # a producer that differs is never advised
+
+
+def test_a_run_with_no_episode_end_in_env_0():
+    """Bug caught: a short smoke run (or a fixed-horizon env with fewer
+    steps than its horizon), where env 0 never ends an episode, crashing
+    with a raw reshape error instead of comparing the rows.
+    """
+    report = cleanbuf.check("Pendulum-v1", producers="gym-next-step", num_envs=2, steps=50)
+    assert report.status == 0 and report.truth_episode_ends == 0
+    assert report.producers[0].rows == 100 and report.producers[0].differ == 0
+
+
+def test_a_factory_name_that_is_wrong_says_what(tmp_path, monkeypatch, capsys):
+    """Bug caught: module:function names whose function or module is missing
+    answered with Gymnasium's env-registration advice ("Environment `nope`
+    doesn't exist. Did you mean: `Hopper`?"), which points the wrong way.
+    """
+    (tmp_path / "mymod.py").write_text("def make():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check", "mymod:nope", "--no-progress"]) == 2
+    assert "module 'mymod' has no 'nope'" in capsys.readouterr().err
+    assert main(["check", "nomodule_here:make", "--no-progress"]) == 2
+    assert "module 'nomodule_here' cannot be imported" in capsys.readouterr().err
 
 
 def test_json_holds_the_table(capsys):

@@ -25,6 +25,7 @@ import json
 import re
 import sys
 
+from cleanbuf._version import __version__
 from cleanbuf.engine._errors import CleanbufError
 from cleanbuf.engine._options import LOST_POLICIES, MODES
 from cleanbuf.offline._axes import LAYOUTS
@@ -67,20 +68,31 @@ def _shape_flags(parser: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cleanbuf",
-        description="Audit and clean auto-reset artifacts in RL transitions on disk: a TorchRL "
+        description="Check an env under each producer against explicit resets (check); audit, "
+        "clean and export auto-reset artifacts in RL transitions on disk: a TorchRL "
         "replay-buffer dump (rb.dumps), a TensorDict memmap directory, a .npz or an "
         "HDF5 file (.h5, .hdf5).",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"cleanbuf {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    # Listed here so that help and a misspelt command name it; the cleanbuf
+    # command (cleanbuf.__main__) runs it, with its own options (check --help).
+    sub.add_parser(
+        "check",
+        help="run an env under each producer (Gymnasium, TorchRL, SB3, EnvPool) and with "
+        "explicit resets: what each stores wrong, and whether the cleaned rows equal the "
+        "explicit-reset run (cleanbuf check --help)",
+        add_help=False,
+    )
     audit = sub.add_parser("audit", help="report the artifacts; exit 1 if there are any")
     audit.add_argument("path")
     audit.add_argument("--json", action="store_true", help="print the report as JSON")
     audit.add_argument("--plot", metavar="FILE.png", help="draw the artifacts (needs matplotlib)")
     _shape_flags(audit)
     clean = sub.add_parser(
-        "clean", help="write a cleaned copy of SRC to DST (.npz, .h5/.hdf5, DIR/ or SRC's format)"
+        "clean", help="write a cleaned copy of SRC to DST (DST.npz, DST.h5 or DST/, a directory)"
     )
     clean.add_argument("src")
     clean.add_argument("dst")
@@ -244,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     from cleanbuf.offline import audit, clean_dataset
 
     args = _parser().parse_args(argv)
+    if args.command == "check":
+        print("cleanbuf check runs from the cleanbuf command: cleanbuf check ENV", file=sys.stderr)
+        return 2
     with quiet_torchrl_log():  # no TorchRL INFO line among the report or the stats
         return _run(args, audit, clean_dataset)
 
