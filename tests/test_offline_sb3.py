@@ -172,3 +172,20 @@ def test_the_minimal_cleanrl_case_of_the_issue():
     assert len(out["rewards"]) == 12 and not (out["rewards"] == 0).any(), out["rewards"]
     assert out["dones"].sum() == 2 and out["timeouts"].sum() == 2  # the source's convention kept
     assert "CleanRL convention" in str(cleanbuf.audit(data))
+
+
+def test_a_pickled_buffer_file_names_the_way_to_read_it(runs, tmp_path):
+    """Bug caught: an SB3 buffer saved with ``save_to_pkl`` (what
+    ``model.save_replay_buffer`` writes) refused as "no format" with no hint,
+    while the same buffer, loaded in Python, audits and cleans.
+    """
+    from stable_baselines3.common.save_util import save_to_pkl
+
+    rb = _fill(runs[0], "cleanrl", STEPS, STEPS)
+    path = str(tmp_path / "replay_buffer.pkl")
+    save_to_pkl(path, rb)
+    with pytest.raises(cleanbuf.InputError, match=r"load_from_pkl\(path\), then cleanbuf.audit"):
+        cleanbuf.audit(path)
+    from stable_baselines3.common.save_util import load_from_pkl
+
+    assert not cleanbuf.audit(load_from_pkl(path)).clean  # the advice, followed, runs

@@ -770,11 +770,18 @@ def read(path: str, shape: Shape | None = None) -> Dataset:
         return _npz(path, shape)
     elif path.endswith(HDF5_SUFFIXES):
         return _hdf5(path, shape)
+    pickled = (
+        " A pickled Stable-Baselines3 buffer (model.save_replay_buffer, save_to_pkl) is read "
+        "in Python, never unpickled by cleanbuf: rb = stable_baselines3.common.save_util."
+        "load_from_pkl(path), then cleanbuf.audit(rb) or cleanbuf.clean(rb)."
+        if path.endswith((".pkl", ".pickle"))
+        else ""
+    )
     raise InputError(
         f"{path} is in no format cleanbuf reads: a TorchRL replay-buffer dump (a directory "
         "written by rb.dumps, with storage/ and writer/), a TensorDict memmap directory (with "
         "meta.json), a .npz file of arrays named by key ('next/observation'), or an HDF5 "
-        "file (.h5, .hdf5) of datasets named the same way."
+        f"file (.h5, .hdf5) of datasets named the same way.{pickled}"
     )
 
 
