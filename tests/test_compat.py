@@ -58,6 +58,7 @@ def test_the_private_names_are_there():
     assert online_compat.storage_leaf(storage, ("a",)).shape == (8, 3)  # every slot
     assert isinstance(storage._len, int)  # online_compat.storage_length
     assert online_compat.storage_length(storage) == len(storage) == 2
+    assert online_compat.stored_chunk_shape(storage) is None  # rows, not chunks
 
 
 def test_fallbacks_match_the_private_paths():

@@ -131,3 +131,26 @@ def storage_leaf(storage: Any, key: tuple, slots: Any = None) -> Any:
         return None
     rows = storage.get(slots)
     return rows.get(key, None) if hasattr(rows, "batch_size") else None
+
+
+def stored_chunk_shape(storage: Any) -> list | None:
+    """The ``[T]`` shape of each slot of a storage filled with chunks, else None.
+
+    A ``Collector(replay_buffer=rb)`` writing into a 1-D tensor storage
+    stores each env's ``[T]`` steps as one slot: the storage's tensors
+    then have more batch dims (``storage._storage``) than the storage's
+    own ``ndim``. None for rows, an uninitialized storage, or where the
+    private name is gone.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import LazyTensorStorage
+        >>> storage = LazyTensorStorage(4)
+        >>> storage.set(range(2), TensorDict({"a": torch.zeros(2, 5)}, [2, 5]))
+        >>> stored_chunk_shape(storage)
+        [5]
+    """
+    raw = getattr(storage, "_storage", None)
+    dims = getattr(raw, "batch_dims", 1)
+    return list(raw.batch_size[1:]) if dims > getattr(storage, "ndim", 1) else None

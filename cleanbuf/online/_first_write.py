@@ -30,7 +30,7 @@ from tensordict import TensorDictBase
 from cleanbuf.engine._errors import CleanbufWarning, LayoutError, user_stacklevel
 from cleanbuf.engine._keys import DONE_KEYS, may_be_observation
 from cleanbuf.engine._orientation import chain_axis
-from cleanbuf.online._compat import storage_length
+from cleanbuf.online._compat import storage_length, stored_chunk_shape
 
 
 def _pair(td: TensorDictBase) -> tuple | None:
@@ -124,10 +124,8 @@ def check_late_attachment(rb: Any, fresh: bool) -> None:
         return
     if not n:
         return
-    raw = getattr(storage, "_storage", None)
-    dims = getattr(raw, "batch_dims", 1)
-    if dims > getattr(storage, "ndim", 1):
-        shape = list(raw.batch_size[1:])
+    shape = stored_chunk_shape(storage)
+    if shape is not None:
         raise LayoutError(
             f"the buffer already holds {n} slot(s) of {shape} steps written without the filter "
             "(a Collector(replay_buffer=rb) before the filter was attached); the filter stores "
