@@ -100,8 +100,10 @@ def clean(
         batch_dims: for dicts, the number of batch dimensions; None reads
             it from the done array (a trailing dimension of size 1 is a
             flag dimension).
-        dst: for a path, where to write the cleaned dataset (same format);
-            None returns the rows instead.
+        dst: for a path, where to write the cleaned dataset (``.npz``,
+            ``.h5`` / ``.hdf5``, or a directory: see
+            :func:`cleanbuf.offline.clean_dataset`); None returns the rows
+            instead.
         return_stats: also return the counters (as ``filt.stats``).
         stream_key: as for the filter.
         joint_reset: as for the filter; also "yes", "no" or "auto" (None:

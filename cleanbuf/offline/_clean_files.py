@@ -3,10 +3,12 @@
 The rows are read in write order, a few whole writes (collector batches)
 at a time, and go through the same cleaner as the replay-buffer filter,
 each tagged with the env the audit recovered (``layout="stream_key"``);
-the cleaned rows are written to a new dataset of SRC's format in a
-temporary directory, renamed to DST at the end. Memory stays that of a
-piece of ``PIECE_BYTES`` plus a few index arrays of 8 bytes a row,
-whatever the size of the dataset.
+the cleaned rows are written to a new dataset, in the format DST names,
+in a temporary directory; read back and checked there (its rows, done
+flags and env index against what was cleaned), it is renamed to DST.
+Memory stays that of a piece of ``PIECE_BYTES`` plus a few index arrays
+of 8 bytes a row, whatever the size of the dataset (for the directory
+formats; a ``.npz`` or HDF5 file is read and written whole).
 """
 
 from __future__ import annotations
