@@ -198,19 +198,6 @@ def test_the_output_is_checked_before_it_is_moved(loop, tmp_path, monkeypatch):
     assert not [p for p in os.listdir(tmp_path) if "cleanbuf-tmp" in p]
 
 
-def test_a_file_source_into_a_plain_name_is_refused(loop, tmp_path, capsys):
-    """Bug caught: a .npz source cleaned to a name without a suffix written
-    as a file that cleanbuf itself then cannot read (it reads files by
-    their suffix), after a check that read it under another name.
-    """
-    data, _ = loop
-    source = _save("npz", data, tmp_path)
-    for name in ("cleaned", "out.v2"):
-        with pytest.raises(InputError, match=rf"names no format: name it .*{name}\.npz"):
-            clean_dataset(source, str(tmp_path / name))
-        assert not os.path.exists(tmp_path / name)
-
-
 def test_a_dump_from_a_file_loads_into_a_buffer_of_its_rows(loop, tmp_path, capsys):
     """Bug caught: a .npz cleaned into a dump directory laid out for the
     source's rows, so that rb.loads refused a buffer of the rows cleaned
@@ -224,16 +211,32 @@ def test_a_dump_from_a_file_loads_into_a_buffer_of_its_rows(loop, tmp_path, caps
     _compare(_load(str(tmp_path / "dst"), int(want.sum())), oracle, want)
 
 
-def test_a_dst_naming_another_format_is_refused(loop, tmp_path, capsys):
-    """Bug caught: a DST named .pkl (or .pt, ...) written as whatever SRC is,
-    a file whose content contradicts its name.
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("dst.pkl", r"names a format cleanbuf does not write.*\.npz"),
+        ("dst.pt", r"names a format cleanbuf does not write.*\.npz"),
+        ("cleaned", r"names no format: name it .*cleaned\.npz"),
+        ("out.v2", r"names no format: name it .*out\.v2\.npz"),
+    ],
+)
+def test_a_dst_naming_no_format_written_is_refused(loop, tmp_path, name, said):
+    """Bugs caught: a DST named .pkl (or .pt, ...) written as whatever SRC
+    is, a file whose content contradicts its name; a .npz source cleaned to
+    a name without a suffix written as a file that cleanbuf itself then
+    cannot read (it reads files by their suffix), after a check that read
+    it under another name.
     """
     data, _ = loop
     source = _save("npz", data, tmp_path)
-    for name in ("dst.pkl", "dst.pt"):
-        with pytest.raises(InputError, match=r"names a format cleanbuf does not write.*\.npz"):
-            clean_dataset(source, str(tmp_path / name))
-        assert not os.path.exists(tmp_path / name)
+    with pytest.raises(InputError, match=said):
+        clean_dataset(source, str(tmp_path / name))
+    assert not os.path.exists(tmp_path / name)
+
+
+def test_a_refused_dst_is_one_line_from_the_command(loop, tmp_path, capsys):
+    """Bug caught: a refused DST ending in a traceback or a second line of noise."""
+    source = _save("npz", loop[0], tmp_path)
     assert main(["clean", source, str(tmp_path / "dst.parquet"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "names a format cleanbuf does not write" in err and err.count("\n") == 1
