@@ -340,35 +340,40 @@ def _gym_loop(source, num_envs, steps, seed, actions, same_step: bool, tick) -> 
         [functools.partial(seeded, source, seed + e) for e in range(num_envs)],
         autoreset_mode=mode,
     )
+    name = "gym-same-step" if same_step else "gym-next-step"
+    reset = functools.partial(venv.reset, seed=seed)
+    return _vector_loop(name, venv, reset, num_envs, steps, actions, tick, not same_step, True)
+
+
+def _vector_loop(name, vec, reset, num_envs, steps, actions, tick, next_step, info) -> Run:
+    """A raw loop over a vector env (Gymnasium's or EnvPool's), stored with ``step_rows``.
+
+    In next-step mode the step after an episode end is a reset step, which
+    takes no action of the env's sequence (``real``); ``info`` passes each
+    step's info to ``step_rows`` (Gymnasium's final observations).
+    """
     start = time.perf_counter()
     take = _Actions(actions)
-    obs, _ = venv.reset(seed=seed)
+    obs, _ = reset()
     pending = np.zeros(num_envs, bool)
     batches, real = [], []
     for _ in range(steps):
         is_real = ~pending
         action = take.take(is_real)
-        next_obs, reward, terminated, truncated, info = venv.step(action)
+        next_obs, reward, terminated, truncated, step_info = vec.step(action)
+        kept = step_info if info else None
         batches.append(
-            step_rows(obs, action, next_obs, reward, terminated, truncated, info, env_ids=True)
+            step_rows(obs, action, next_obs, reward, terminated, truncated, kept, env_ids=True)
         )
         real.append(is_real)
         done = np.asarray(terminated) | np.asarray(truncated)
-        pending = done if not same_step else np.zeros_like(done)
+        pending = done if next_step else np.zeros_like(done)
         obs = next_obs
         tick()
     rows = torch.stack(batches, dim=1)
-    name = "gym-same-step" if same_step else "gym-next-step"
-    return Run(
-        name,
-        batches,
-        rows,
-        np.stack(real, 1),
-        np.zeros(steps, bool),
-        rows["next", "terminated"].reshape(num_envs, steps).numpy(),
-        venv,
-        time.perf_counter() - start,
-    )
+    term = rows["next", "terminated"].reshape(num_envs, steps).numpy()
+    return Run(name, batches, rows, np.stack(real, 1), np.zeros(steps, bool), term, vec,
+               time.perf_counter() - start)  # fmt: skip
 
 
 def _torchrl_action(td: TensorDict, env: Any, action: np.ndarray) -> None:
@@ -568,25 +573,7 @@ def run_envpool_truth(source: EnvSource, num_envs: int, steps: int, seed: int, a
 
 def _envpool_loop(source, num_envs, steps, seed, actions, tick) -> Run:
     pool = _envpool(source, num_envs, seed)
-    start = time.perf_counter()
-    take = _Actions(actions)
-    obs, _ = pool.reset()
-    pending = np.zeros(num_envs, bool)
-    batches, real = [], []
-    for _ in range(steps):
-        is_real = ~pending
-        action = take.take(is_real)
-        next_obs, reward, terminated, truncated, _ = pool.step(action)
-        row = step_rows(obs, action, next_obs, reward, terminated, truncated, env_ids=True)
-        batches.append(row)
-        real.append(is_real)
-        pending = np.asarray(terminated) | np.asarray(truncated)
-        obs = next_obs
-        tick()
-    rows = torch.stack(batches, dim=1)
-    term = rows["next", "terminated"].reshape(num_envs, steps).numpy()
-    return Run("envpool", batches, rows, np.stack(real, 1), np.zeros(steps, bool), term, pool,
-               time.perf_counter() - start)  # fmt: skip
+    return _vector_loop("envpool", pool, pool.reset, num_envs, steps, actions, tick, True, False)
 
 
 def run_producer(
