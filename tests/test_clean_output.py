@@ -232,6 +232,8 @@ def test_a_dst_naming_no_format_written_is_refused(loop, tmp_path, name, said):
     with pytest.raises(InputError, match=said):
         clean_dataset(source, str(tmp_path / name))
     assert not os.path.exists(tmp_path / name)
+    with pytest.raises(InputError, match=said):  # said before SRC is read (or found missing)
+        clean_dataset(str(tmp_path / "missing.npz"), str(tmp_path / name))
 
 
 def test_a_refused_dst_is_one_line_from_the_command(loop, tmp_path, capsys):

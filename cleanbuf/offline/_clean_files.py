@@ -32,6 +32,7 @@ from cleanbuf.offline._audit import Report, analyse, stream_positions
 from cleanbuf.offline._compat import quiet_torchrl_log
 from cleanbuf.offline._formats import (
     DUMP,
+    NPZ,
     Collect,
     Dataset,
     Shape,
@@ -166,8 +167,9 @@ def clean_dataset(
             needed. Nothing is left at ``dst``, nor a temporary directory.
     """
     shape = Shape(*(options.pop(k, None) for k in ("layout", "envs", "keys")))
-    if dst is not None:
-        output_format(dst, DUMP)  # a DST naming a format not written: refused first
+    if dst is not None:  # a DST naming no format written: refused before SRC is read
+        source_kind = src.format if isinstance(src, Dataset) else None
+        output_format(dst, source_kind or (DUMP if os.path.isdir(src) else NPZ))
     ds = src if isinstance(src, Dataset) else read(src, shape)
     if dst is not None:
         _check_apart(ds.path, dst)
