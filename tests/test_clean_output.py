@@ -275,3 +275,18 @@ def test_small_pieces_gathered_into_the_output(loop, tmp_path, monkeypatch):
     source = _save("dump-rows", data, tmp_path)
     done = clean_dataset(source, str(tmp_path / "dst"))
     _compare(_load(str(tmp_path / "dst"), done.capacity), oracle, _expected_rows(data))
+
+
+def test_without_the_storage_tensors_every_row_still_reaches_the_file(loop, tmp_path, monkeypatch):
+    """The fallback where TorchRL's private ``storage._storage`` is gone: no
+    row is copied straight into the output, the storage counts each write,
+    and a ``.npz`` of several pieces holds every row. Bug caught: the file
+    read from the storage's tensors unconditionally (a crash) or up to a
+    count that missed rows.
+    """
+    data, oracle = loop
+    monkeypatch.setattr(_clean_files, "PIECE_BYTES", 1 << 20)
+    monkeypatch.setattr(_formats, "storage_tensors", lambda storage: None)
+    source = _save("hdf5", data, tmp_path)
+    clean_dataset(source, str(tmp_path / "dst.npz"))
+    _compare(_load(str(tmp_path / "dst.npz"), None), oracle, _expected_rows(data))

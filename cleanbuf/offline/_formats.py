@@ -1065,7 +1065,13 @@ class Writer:
             _cut_rows(out, capacity, self.n)
             write_dir(out, env, mark)
         else:
-            stored = plain_leaves(storage_tensors(self.rb.storage))
+            # The storage's tensors up to the rows written (its own count does not
+            # know of the rows copied straight into them). Without the private
+            # name, no row was copied so: storage.get counts them all.
+            tensors = storage_tensors(self.rb.storage)
+            if tensors is None:
+                tensors = self.rb.storage.get(slice(0, self.n))
+            stored = plain_leaves(tensors)
             arrays = {"/".join(k): v[: self.n].numpy() for k, v in stored.items()}
             arrays[ENV_ARRAY] = env
             size = sum(a.nbytes for a in arrays.values())  # the file, next to the maps
