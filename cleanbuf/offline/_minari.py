@@ -292,7 +292,7 @@ def to_minari(
     with tempfile.TemporaryDirectory(prefix="cleanbuf-") as tmp:
         ds, name = _dataset(data, shape, os.path.join(tmp, "dump"))
         cleaned, dtypes = _clean(ds, options)
-    rows, env_of = _torchrl_named(cleaned.rows, ds.names), np.asarray(cleaned.env)
+    rows, env_of = cleaned.rows, np.asarray(cleaned.env)
     arrays = _arrays(rows)
     arrays["obs"], arrays["obs_dtypes"] = _retype(arrays["obs"], dtypes), dtypes  # (never NaN)
     done = Export(dataset_id, "", name, cleaned.report, dict(cleaned.stats), rows=len(env_of))
@@ -422,7 +422,8 @@ def _clean(ds: Dataset, options: dict) -> tuple[Any, dict]:
     }
     for key in casts:
         data.set(key, _as_float(data.get(key), key))
-    ds = dataclasses.replace(ds, data=data)
+    # No names and dtypes to give back: the rows stay under TorchRL's keys, flags as bool.
+    ds = dataclasses.replace(ds, data=data, names={}, casts={})
     cleaned = clean_dataset(ds, None, on_lost_terminal_obs="nan", **options)
     dtypes = {
         _key(k)[len(OBS) :]: torch.empty(0, dtype=dt).numpy().dtype
@@ -475,18 +476,6 @@ def _retype(tree: Any, dtypes: dict, path: tuple = ()) -> Any:
     if isinstance(tree, dict):
         return {k: _retype(v, dtypes, (*path, k)) for k, v in tree.items()}
     return tree if path not in dtypes else tree.astype(dtypes[path])
-
-
-def _torchrl_named(rows: TensorDictBase, names: dict) -> TensorDictBase:
-    """The cleaned rows under TorchRL's keys (the clean gave them the source's names back)."""
-    if not names:
-        return rows
-    back = {tuple(src.split("/")): key for key, src in names.items()}
-    out = rows.empty()
-    for k, v in rows.items(True, True):
-        k = k if isinstance(k, tuple) else (k,)
-        out.set(back.get(k, k), v)
-    return out
 
 
 def _arrays(rows: TensorDictBase) -> dict:
