@@ -163,7 +163,10 @@ def test_several_pieces_read_back_whole(loop, src, out, tmp_path, monkeypatch):
     dst = os.path.join(tmp_path, OUTPUTS[out])  # (pathlib would drop dst/'s slash)
     done = clean_dataset(source, dst)
     want = _expected_rows(data)
-    assert done.stats["rows_out"] == want.sum()
+    s = done.stats
+    assert s["rows_out"] == want.sum()
+    assert s["rows_in"] == s["rows_out"] + s["reset_rows_dropped"] + s["lost_rows_dropped"]
+    assert s["rows_held"] == 0  # flushed: every row accounted for
     _compare(_load(dst, done.capacity), oracle, want)
     again = audit(dst)
     assert again.clean and again.status == 0 and again.rows == want.sum(), str(again)
