@@ -283,6 +283,7 @@ class Cleaner:
         if len(carry.held_stream) or len(sel.hold):
             kept_old = plan.released_src[carry.held_stream] == -1
             carry.held = kept_held(carry.held, kept_old, new_held)
+            carry.held_schema = call.structure  # (read checked the old ones against it)
             new_streams = call.layout.stream_of(sel.hold)
             carry.held_stream = np.concatenate([carry.held_stream[kept_old], new_streams])
         self._carry = carry

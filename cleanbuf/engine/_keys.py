@@ -6,6 +6,8 @@ puts it together), and the observation-key rule the offline side shares.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
@@ -148,26 +150,62 @@ def done_flags(rows: Views, done_key: tuple | None) -> np.ndarray:
     """Returns the per-row done flag as a bool numpy array ``[n_rows]``.
 
     The done key is ``done_key`` if given, else ``("next", "done")``, else
-    ``("next", "terminated") | ("next", "truncated")``.
+    ``("next", "terminated") | ("next", "truncated")``
+    (:func:`done_source`, then :meth:`DoneSource.read`).
 
     Args:
         rows: the leaves, read as rows.
         done_key: the user's done key, or None.
 
     Raises:
-        InputError: no done key, or a done key that is not boolean or has
-            more than one flag per row.
+        InputError: no done key, a done key that is not boolean or has
+            more than one flag per row, or ``("next", "done")`` that
+            disagrees with ``terminated | truncated``.
 
     Examples:
         >>> done_flags(Views({("next", "done"): torch.tensor([[False], [True]])}, 1, 2), None)
         array([False,  True])
     """
+    return done_source(rows, done_key).read(rows)
+
+
+class DoneSource(NamedTuple):
+    """Where a batch's done flags come from: worked out once per batch structure.
+
+    Attributes:
+        keys: the keys whose flags are or-ed into the done flag.
+        agree: ``("next", "terminated")`` and/or ``("next", "truncated")``
+            where the done flag is ``("next", "done")`` and they are
+            present: done must agree with them on every row.
+    """
+
+    keys: tuple
+    agree: tuple = ()
+
+    def read(self, rows: Views) -> np.ndarray:
+        """The done flags of ``rows``, checked against ``agree``."""
+        done = read_flags(rows, self.keys[0])
+        for key in self.keys[1:]:
+            done = done | read_flags(rows, key)
+        if self.agree:
+            _check_done_agrees(done, rows, self.agree)
+        return done
+
+
+def done_source(rows: Views, done_key: tuple | None) -> DoneSource:
+    """Finds and checks the keys of the done flags (their dtype and shape).
+
+    Raises:
+        InputError: no done key, or a done key that is not boolean or has
+            more than one flag per row.
+    """
     leaves = rows.tensors
     if done_key is None and DONE_KEYS[0] in leaves:  # the common case, first
-        done = row_flags("done", DONE_KEYS[0], rows)
-        if DONE_KEYS[1] in leaves or DONE_KEYS[2] in leaves:
-            _check_done_agrees(done, rows)
-        return done
+        agree = tuple(k for k in DONE_KEYS[1:] if k in leaves)
+        row_flags("done", DONE_KEYS[0], rows)
+        for key in agree:
+            row_flags(key[-1], key, rows)
+        return DoneSource((DONE_KEYS[0],), agree)
     keys = [done_key] if done_key is not None else [k for k in DONE_KEYS[1:] if k in leaves]
     missing = [k for k in keys if k not in leaves]
     if not keys or missing:
@@ -177,26 +215,36 @@ def done_flags(rows: Views, done_key: tuple | None) -> np.ndarray:
             f"{sorted(leaves, key=str)}. Pass done_key= to name the key that marks "
             "episode ends."
         )
-    flag = None
     for key in keys:
-        value = row_flags("done", key, rows)
-        flag = value if flag is None else flag | value
-    return flag
+        row_flags("done", key, rows)
+    return DoneSource(tuple(keys))
 
 
-def _check_done_agrees(done: np.ndarray, rows: Views) -> None:
+def read_flags(rows: Views, key: tuple) -> np.ndarray:
+    """The flags of ``key`` (one bool per row) as numpy ``[n_rows]``, unchecked.
+
+    For a key that :func:`row_flags` accepted in a batch of the same
+    structure (the same dtype and shape): its values only are read.
+    """
+    a = rows[key]
+    if a is not None:
+        return a.reshape(rows.n_rows)
+    return rows.tensors[key].reshape(rows.n_rows).cpu().numpy()
+
+
+def _check_done_agrees(done: np.ndarray, rows: Views, parts: tuple) -> None:
     """Raises unless ``("next", "done")`` is ``terminated | truncated`` on every row.
 
     With only one of the two present: done wherever it is set. (TorchRL
     envs keep ``done == terminated | truncated``; an end that ``done``
     misses would keep its reset row as a transition.)
     """
-    parts = [k for k in DONE_KEYS[1:] if k in rows.tensors]
-    ends = None
-    for key in parts:
-        flags = row_flags(key[-1], key, rows)
-        ends = flags if ends is None else ends | flags
-    bad = ends != done if len(parts) == 2 else ends & ~done
+    ends = read_flags(rows, parts[0])
+    if len(parts) == 2:
+        ends = ends | read_flags(rows, parts[1])
+        bad = ends != done
+    else:
+        bad = ends & ~done
     if not np.count_nonzero(bad):
         return
     row = int(np.flatnonzero(bad)[0])
@@ -308,9 +356,7 @@ def _common_parent(keys: list) -> tuple:
     return first[:n]
 
 
-def final_entries(
-    leaves: dict, declared: tuple | None, obs_keys: list, n_rows: int, batch_dims: int = 1
-):
+def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, batch_dims: int = 1):
     """Finds the same-step final-observation entry for each observation key.
 
     The entry is ``declared`` or the first of :data:`FINAL_KEYS` present. It
@@ -327,22 +373,21 @@ def final_entries(
         declared: the user's ``final_obs_key``, or None to look for the
             common names.
         obs_keys: the observation keys.
-        n_rows: rows in the batch.
         batch_dims: the leaves' leading batch dimensions.
 
     Returns:
-        ``(final_of, present, entry_keys)``: a dict from observation key to
-        its final-observation leaf key (empty when there is no entry); a
-        bool numpy array, per row, whether the final observation is present
-        (None: present wherever the entry is); and the set of leaf keys the
-        entry (and its mask) occupy.
+        ``(final_of, mask_key, entry_keys)``: a dict from observation key to
+        its final-observation leaf key (empty when there is no entry); the
+        key of the boolean mask that says per row whether the final
+        observation is present (None: present wherever the entry is); and
+        the set of leaf keys the entry (and its mask) occupy.
 
     Raises:
         InputError: the entry does not match the observation keys.
 
     Examples:
         >>> leaves = {("obs",): torch.zeros(2, 3), ("next", "final_obs"): torch.ones(2, 3)}
-        >>> final_entries(leaves, None, [("obs",)], 2)[0]
+        >>> final_entries(leaves, None, [("obs",)])[0]
         {('obs',): ('next', 'final_obs')}
     """
     candidates = [declared] if declared is not None else list(FINAL_KEYS)
@@ -384,17 +429,16 @@ def final_entries(
     for k, f in final_of.items():
         check_same_layout(leaves, k, f)
     mask_key = (*prefix[:-1], "_" + prefix[-1])
-    present = None
-    if mask_key in leaves:
-        entry_keys.add(mask_key)
-        mask = leaves[mask_key]
-        if mask.dtype != torch.bool or mask.shape[batch_dims:].numel() != 1:
-            raise InputError(
-                f"the final-observation mask {key_name(mask_key)} must be one torch.bool per "
-                f"row; got dtype {mask.dtype} and shape {list(mask.shape)}."
-            )
-        present = mask.reshape(n_rows).cpu().numpy()
-    return final_of, present, entry_keys
+    if mask_key not in leaves:
+        return final_of, None, entry_keys
+    entry_keys.add(mask_key)
+    mask = leaves[mask_key]
+    if mask.dtype != torch.bool or mask.shape[batch_dims:].numel() != 1:
+        raise InputError(
+            f"the final-observation mask {key_name(mask_key)} must be one torch.bool per "
+            f"row; got dtype {mask.dtype} and shape {list(mask.shape)}."
+        )
+    return final_of, mask_key, entry_keys
 
 
 def without_empty_final_entry(leaves: dict, declared: tuple | None) -> dict:

@@ -84,12 +84,14 @@ from cleanbuf.engine._kernels import (
     read_fills,
 )
 from cleanbuf.engine._keys import (
+    FINAL_KEYS,
     TRAJ_IDS,
     batch_leaves,
     check_same_layout,
-    done_flags,
+    done_source,
     final_entries,
     observation_keys,
+    read_flags,
     row_flags,
     without_empty_final_entry,
 )
@@ -556,6 +558,121 @@ class Fingerprint:
 
 
 _CACHE_SIZE = 64
+_NO_CONT = np.zeros(0, np.uint8)
+_NO_CONT.flags.writeable = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Schema:
+    """What a batch's structure decides, worked out and checked once per structure.
+
+    A structure is the batch's layout and, per leaf, its key, dtype and
+    shape. Everything here depends on nothing else (with the options), so
+    :meth:`Reader.read` builds a schema, with every check of the
+    structure, the first time a structure comes, and reuses it after: a
+    call then reads only the values (flags, stream ends), checked against
+    the carry. A batch of another structure (a new key, another dtype,
+    shape or number of envs) builds its own schema, with every check.
+
+    Attributes:
+        done: where the done flags come from (:class:`~cleanbuf.engine._keys.DoneSource`).
+        empty_entry: outside same-step mode, whether the leaves hold a
+            final-observation mask (an entry that may be empty, dropped
+            per call: :func:`~cleanbuf.engine._keys.without_empty_final_entry`).
+        obs_keys: the observation keys.
+        obs_only: the rows have no ``("next", k)`` observations.
+        obs_schema: observation key -> (dtype, feature shape).
+        final_of: same-step mode: observation key -> its final-observation leaf.
+        final_mask: the final-observation mask's key, or None.
+        entry_keys: the leaves the final-observation entry occupies.
+        moved: the keys to store (None: every leaf, or per call where
+            ``empty_entry``).
+        rules: the planning kernel's mode flags.
+        marks: which batch-end rows may be a collector's mark (``NO_MARKS``,
+            ``ANY_MARKS``, ``UNSTORED_MARKS``).
+        group: the reset group size the kernel reads from done flags (0: none).
+        exact: the rows carry trajectory ids (a batch again is recognised
+            on every call).
+        bookkeeping: the rows hold ``is_init`` / a step count the cleaner fixes.
+    """
+
+    done: object
+    empty_entry: bool = False
+    obs_keys: list = dataclasses.field(default_factory=list)
+    obs_only: bool = False
+    obs_schema: dict = dataclasses.field(default_factory=dict)
+    final_of: dict = dataclasses.field(default_factory=dict)
+    final_mask: tuple | None = None
+    entry_keys: frozenset = frozenset()
+    moved: tuple | None = None
+    rules: Rules | None = None
+    marks: int = NO_MARKS
+    group: int = 0
+    exact: bool = False
+    has_is_init: bool = False
+    has_step_count: bool = False
+
+
+def structure(layout: CallLayout, leaves: dict, batch_dims: int) -> tuple:
+    """The key of a batch's :class:`Schema`: its layout, each leaf's key, dtype and row shape."""
+    return (
+        layout.kind,
+        layout.stream_shape if layout.kind != "stream_key" else None,
+        batch_dims,
+        tuple([(k, v.dtype, v.shape[batch_dims:]) for k, v in leaves.items()]),
+    )
+
+
+def build_schema(options: Options, layout: CallLayout, views: Views, batch_dims: int) -> Schema:
+    """Works out and checks what a batch's structure decides (see :class:`Schema`).
+
+    Raises:
+        InputError: no done key, a done key of the wrong kind, no
+            observation key, an observation twin or a final-observation
+            entry that does not match its observation key.
+    """
+    opts, leaves = options, views.tensors
+    done = done_source(views, opts.done_key)
+    empty_entry = opts.mode != "same_step" and any(
+        (*p[:-1], "_" + p[-1]) in leaves
+        for p in ([opts.final_obs_key] if opts.final_obs_key is not None else FINAL_KEYS)
+    )
+    if opts.mode == "disabled":
+        return Schema(done, empty_entry)
+    bookkeeping = {k for k in (opts.is_init_key, opts.step_count_key) if k}
+    obs_keys, obs_only = observation_keys(leaves, opts.observation_keys, bookkeeping)
+    if not obs_only:
+        for k in obs_keys:
+            check_same_layout(leaves, k, ("next", *k))
+    obs_schema = {k: (leaves[k].dtype, leaves[k].shape[batch_dims:]) for k in obs_keys}
+    final_of, final_mask, moved = {}, None, None
+    entry_keys = frozenset()
+    if opts.mode == "same_step":
+        declared = opts.final_obs_key
+        final_of, final_mask, entry = final_entries(leaves, declared, obs_keys, batch_dims)
+        entry_keys = frozenset(entry)
+        if entry_keys and not opts.keep_final_obs:
+            moved = tuple(k for k in leaves if k not in entry_keys)
+    rules = Rules.of(opts, obs_only, layout.kind)
+    exact = TRAJ_IDS in leaves
+    has_restart = (opts.is_init_key is not None and opts.is_init_key in leaves) or (
+        opts.step_count_key is not None and opts.step_count_key in leaves
+    )
+    ends = not obs_only and layout.kind != "stream_key"
+    marks = NO_MARKS
+    if rules.marks and (has_restart or ends):
+        # A collector writes trajectory ids; rows without them (raw loops)
+        # are never marked, so their stored batch-end truncations are ends.
+        marks = ANY_MARKS if exact else UNSTORED_MARKS
+    group = 0
+    if opts.joint_reset and opts.joint_key is None:
+        group = opts.reset_group_size or layout.n_streams
+    return Schema(
+        done, empty_entry, obs_keys, obs_only, obs_schema, final_of, final_mask, entry_keys,
+        moved, rules, marks, group, exact,
+        has_is_init=opts.is_init_key in leaves,
+        has_step_count=any(k in leaves for k in opts.step_count_keys),
+    )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -576,19 +693,12 @@ class Call:
     ends: CallEnds | None = None  # time-aligned full transitions only
     rules: Rules | None = None
     schema: dict = dataclasses.field(default_factory=dict)  # obs key -> (dtype, feature shape)
+    structure: Schema | None = None  # what the batch's structure decided (None: disabled mode)
     as_is: bool = True  # nothing to clean: the rows pass through as views
 
     def flags(self, options: Options) -> Flags:
         """The rows, per-row flags and switches of the planning kernel for this call."""
-        views, layout = self.views, self.layout
-        marks = NO_MARKS
-        if self.rules.marks and (len(self.restart) > 0 or self.ends is not None):
-            # A collector writes trajectory ids; rows without them (raw loops)
-            # are never marked, so their stored batch-end truncations are ends.
-            marks = ANY_MARKS if TRAJ_IDS in views.tensors else UNSTORED_MARKS
-        group = 0
-        if options.joint_reset and options.joint_key is None:
-            group = options.reset_group_size or layout.n_streams
+        views, layout, marks = self.views, self.layout, self.structure.marks
         return Flags(
             n=layout.n_rows,
             steps=layout.steps,
@@ -596,7 +706,7 @@ class Call:
             done=self.done,
             stored=self.stored(options),
             joint=joint_rows(options, views, self.done),
-            group=group,
+            group=self.structure.group,
             final_ok=NONE if self.final_present is None else self.final_present,
             final_default=bool(self.final_of),
             reward=reward_rows(options, views),
@@ -604,7 +714,7 @@ class Call:
             terminated=row_flags_or_none(views, ("next", "terminated")) if marks else NONE,
             truncated=row_flags_or_none(views, ("next", "truncated")) if marks else NONE,
             marks=marks,
-            cont=self.ends.cont if self.ends is not None else np.zeros(0, np.uint8),
+            cont=self.ends.cont if self.ends is not None else _NO_CONT,
         )
 
     def stored(self, options: Options) -> np.ndarray:
@@ -630,7 +740,7 @@ class Reader:
     def __init__(self, options: Options):
         self.options = options
         self._layouts: dict = {}  # (batch size, names) -> CallLayout, for the fixed layouts
-        self._obs_keys: dict = {}  # leaf keys -> discovered observation keys
+        self._schemas: dict = {}  # structure -> Schema
         self.fingerprint: Fingerprint | None = None  # of the call read last
 
     def read(self, td: TensorDictBase, carry: Carry, before: Fingerprint | None) -> Call:
@@ -655,33 +765,44 @@ class Reader:
         layout = self._layout(td, carry)
         leaves = batch_leaves(td)  # as stored; read as rows through views
         views = Views(leaves, td.batch_dims, layout.n_rows)
-        call = Call(td.device, layout, views, done_flags(views, opts.done_key), moved=leaves)
-        if opts.mode != "same_step":
+        key = structure(layout, leaves, td.batch_dims)
+        schema = self._schemas.get(key)
+        if schema is None:
+            schema = build_schema(opts, layout, views, td.batch_dims)
+            if len(self._schemas) < _CACHE_SIZE:
+                self._schemas[key] = schema
+        call = Call(td.device, layout, views, schema.done.read(views), moved=leaves)
+        if schema.empty_entry:
             call.moved = without_empty_final_entry(leaves, opts.final_obs_key)
         if opts.mode == "disabled":
             return call
-        call.obs_keys, call.obs_only = self._observation_keys(leaves)
-        dims = td.batch_dims
-        call.schema = {k: (leaves[k].dtype, leaves[k].shape[dims:]) for k in call.obs_keys}
-        if carry.obs_schema and carry.obs_schema != call.schema and not carry.is_blank():
-            same_observations(carry.obs_schema, call.schema)  # (is_blank: 3 us, read last)
-        if opts.mode == "same_step":
-            call.final_of, call.final_present, entry_keys = final_entries(
-                leaves, opts.final_obs_key, call.obs_keys, layout.n_rows, td.batch_dims
-            )
-            if entry_keys and not opts.keep_final_obs:
-                call.moved = {k: v for k, v in leaves.items() if k not in entry_keys}
-        if len(carry.held_stream):
+        call.obs_keys, call.obs_only = schema.obs_keys, schema.obs_only
+        call.schema = schema.obs_schema
+        if (
+            carry.obs_schema is not schema.obs_schema
+            and carry.obs_schema
+            and carry.obs_schema != schema.obs_schema
+            and not carry.is_blank()  # (is_blank: 3 us, read last)
+        ):
+            same_observations(carry.obs_schema, schema.obs_schema)
+        if schema.final_of:
+            call.final_of = schema.final_of
+            if schema.final_mask is not None:
+                call.final_present = read_flags(views, schema.final_mask)
+        if schema.moved is not None:
+            call.moved = {k: leaves[k] for k in schema.moved}
+        if len(carry.held_stream) and (schema.empty_entry or carry.held_schema is not schema):
             same_schema_as_held(carry.held, call.moved, td.batch_dims)
         grow = layout.n_streams > carry.n_streams
         call.carry = carry.grown(layout.n_streams) if grow else carry
         call.restart = restart_rows(opts, views)
-        call.rules = Rules.of(opts, call.obs_only, layout.kind)
+        call.rules = schema.rules
+        call.structure = schema
         self._read_ends(call, carry, before)
         call.as_is = (
             not call.rules.successor
             and not np.count_nonzero(call.done)
-            and self._nothing_pending(call.carry, leaves)
+            and self._nothing_pending(call.carry, schema)
         )
         return call
 
@@ -710,7 +831,7 @@ class Reader:
         check(ends, call.obs_keys)
         call.ends = ends
 
-    def _nothing_pending(self, carry: Carry, leaves: dict) -> bool:
+    def _nothing_pending(self, carry: Carry, schema: Schema) -> bool:
         """Whether a call without an episode end has nothing to fix.
 
         Nothing to fix: no reset row to drop, no row waiting, and no
@@ -720,31 +841,9 @@ class Reader:
         nonzero, per_stream = np.count_nonzero, carry.per_stream
         if nonzero(per_stream[PENDING]) or nonzero(per_stream[WAITING]):
             return False
-        if nonzero(per_stream[NEED_INIT]) and self.options.is_init_key in leaves:
+        if nonzero(per_stream[NEED_INIT]) and schema.has_is_init:
             return False
-        if not nonzero(per_stream[SHIFT]):
-            return True
-        return not any(k in leaves for k in self.options.step_count_keys)
-
-    def _observation_keys(self, leaves: dict) -> tuple[list, bool]:
-        """The observation keys, discovered once per key set.
-
-        :func:`observation_keys`; each key's pairing with its next
-        observation (shape and dtype) is checked on every call, the first
-        included.
-        """
-        key = tuple(leaves)
-        found = self._obs_keys.get(key)
-        if found is None:
-            opts = self.options
-            bookkeeping = {k for k in (opts.is_init_key, opts.step_count_key) if k}
-            found = observation_keys(leaves, opts.observation_keys, bookkeeping)
-            if len(self._obs_keys) < _CACHE_SIZE:
-                self._obs_keys[key] = found
-        if not found[1]:
-            for k in found[0]:
-                check_same_layout(leaves, k, ("next", *k))
-        return found
+        return not (schema.has_step_count and nonzero(per_stream[SHIFT]))
 
     def _layout(self, td: TensorDictBase, carry: Carry) -> CallLayout:
         """The call's layout, checked against the streams of the calls before.

@@ -93,6 +93,9 @@ class Carry:
     traj_ids: np.ndarray = _empty(np.int64)  # producer_key: the last rows' trajectory ids
     # Observation key -> (dtype, feature shape) of the calls so far (a change is refused).
     obs_schema: dict = dataclasses.field(default_factory=dict)
+    # The read step's schema (cleanbuf.engine._read.Schema) the held rows were
+    # checked against: a batch of that schema needs no comparison with them.
+    held_schema: object = None
 
     @property
     def n_streams(self) -> int:
