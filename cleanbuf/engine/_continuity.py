@@ -132,29 +132,32 @@ def read_ends(
         k_restart = restart if k_steps == steps or not len(restart) else restart[::steps].copy()
         # The fingerprint's further keys are read in the same pass where they line up.
         id_key, id_bytes, _, id_steps = ids.pop() if ids and ids[-1][3] == k_steps else (None,) * 4
-        f, last[k], c, same, b, f_ids = stream_ends(
+        id_bytes = _NO_BYTES if id_key is None else id_bytes
+        f, last_k, c, same, b, f_ids = stream_ends(
             obs,
             nxt,
             k_steps,
-            before.next_obs.get(k, _NO_BYTES),
-            fingerprint.get(k, _NO_BYTES),
+            words(before.next_obs.get(k), obs.dtype),
+            words(fingerprint.get(k), obs.dtype),
             open_before,
             k_restart,
-            _NO_BYTES if id_key is None else id_bytes,
-            fingerprint.get(id_key, _NO_BYTES),
+            id_bytes,
+            words(fingerprint.get(id_key), id_bytes.dtype),
         )
-        first[k] = f
+        first[k], last[k] = f.view(np.uint8), last_k.view(np.uint8)
         if id_key is not None:
-            first[id_key] = f_ids
+            first[id_key] = f_ids.view(np.uint8)
         cont = c if cont is None else cont & c
         repeats = repeats and same
         if b >= 0 and (broken < 0 or b < broken):  # broken for any key: broken
             broken = b
     for k, id_bytes, _, k_steps in ids:
-        first[k], _, _, same, _, _ = stream_ends(
-            id_bytes, id_bytes, k_steps, _NO_BYTES, fingerprint.get(k, _NO_BYTES),
+        none = words(None, id_bytes.dtype)
+        f, _, _, same, _, _ = stream_ends(
+            id_bytes, id_bytes, k_steps, none, words(fingerprint.get(k), id_bytes.dtype),
             _NO_FLAGS, _NO_FLAGS, _NO_BYTES, _NO_BYTES,
         )  # fmt: skip
+        first[k] = f.view(np.uint8)
         repeats = repeats and same
     repeats = repeats and fingerprint.keys() == first.keys()
     return CallEnds(LastRows(last, ~done[steps - 1 :: steps]), cont, first, repeats, broken)
@@ -206,11 +209,12 @@ def as_bytes(x) -> np.ndarray:
 
 
 def _row_bytes(rows: Views, key: tuple, next_key: tuple, steps: int) -> tuple:
-    """The bytes of ``rows[key]`` and ``rows[next_key]``, and the rows per stream.
+    """The words of ``rows[key]`` and ``rows[next_key]``, and the rows per stream.
 
-    The numpy views of the whole call where the rows have them (no copy);
-    else (another device, a dtype numpy lacks) copies of just the first and
-    the last rows, read as one row per stream.
+    Each row's bytes are viewed as the widest unsigned word that divides
+    them (:func:`words`). The numpy views of the whole call where the rows
+    have them (no copy); else (another device, a dtype numpy lacks) copies
+    of just the first and the last rows, read as one row per stream.
     """
     a, b = rows[key], rows[next_key]
     if (
@@ -221,13 +225,41 @@ def _row_bytes(rows: Views, key: tuple, next_key: tuple, steps: int) -> tuple:
         and a.dtype.kind != "O"
     ):
         n = len(a)
-        return a.reshape(n, -1).view(np.uint8), b.reshape(n, -1).view(np.uint8), steps
-    n = rows.n_rows or len(rows.flat(key))
-    first = index_tensor(np.arange(0, n, steps))
-    last = index_tensor(np.arange(steps - 1, n, steps))
-    x, y = rows.flat(key), rows.flat(next_key)
-    return (
-        as_bytes(x.index_select(0, first.to(x.device))),
-        as_bytes(y.index_select(0, last.to(y.device))),
-        1,
-    )
+        a, b, n_steps = a.reshape(n, -1).view(np.uint8), b.reshape(n, -1).view(np.uint8), steps
+    else:
+        n = rows.n_rows or len(rows.flat(key))
+        first = index_tensor(np.arange(0, n, steps))
+        last = index_tensor(np.arange(steps - 1, n, steps))
+        x, y = rows.flat(key), rows.flat(next_key)
+        a = as_bytes(x.index_select(0, first.to(x.device)))
+        b = as_bytes(y.index_select(0, last.to(y.device)))
+        n_steps = 1
+    word = _WORDS[min(a.shape[1] & -a.shape[1], 8)] if a.shape[1] else np.uint8
+    return words(a, word), words(b, word), n_steps
+
+
+_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_NO_WORDS = {w: np.zeros((0, 0), w) for w in _WORDS.values()}
+
+
+def words(x: np.ndarray | None, word) -> np.ndarray:
+    """Rows of bytes ``uint8[R, B]`` viewed as unsigned words ``[R, B / size]``.
+
+    Empty (``[0, 0]``) for None, or where ``B`` is not a whole number of
+    words (such rows differ in width from any rows of that word: they
+    compare as different).
+
+    Examples:
+        >>> words(np.arange(8, dtype=np.uint8).reshape(1, 8), np.uint32).shape
+        (1, 2)
+        >>> words(np.zeros((1, 6), np.uint8), np.uint32).shape
+        (0, 0)
+    """
+    word = np.dtype(word)
+    if x is None:
+        return _NO_WORDS[word.type]
+    if x.dtype == word:
+        return x
+    if x.ndim != 2 or x.shape[1] % word.itemsize or not x.flags.c_contiguous:
+        return _NO_WORDS[word.type]
+    return x.view(word)

@@ -399,39 +399,43 @@ def stream_ends(  # noqa: PLR0913 - one pass over every end of a call
     """Reads the first and last row of each stream of a time-aligned call.
 
     One pass over ``2 * S`` rows of bytes, for the continuity check, the
-    batch-end mark decisions and the retry fingerprint.
+    batch-end mark decisions and the retry fingerprint. The rows come as
+    unsigned words of any width (uint8 to uint64): the caller views each
+    row's bytes as the widest word that divides them, which makes the
+    copies and comparisons 2 to 4 times faster than byte by byte
+    (``bench/README.md``, "Design measurements").
 
     Args:
-        obs: uint8[N, B], the rows' observations as bytes (time-last: row
+        obs: uint[N, B], the rows' observations as words (time-last: row
             ``i`` belongs to stream ``i // steps``).
-        next_obs: uint8[N, B], their stored next observations.
+        next_obs: uint[N, B], their stored next observations.
         steps: rows per stream.
-        last_next: uint8[S0, B], the previous call's last next observation
-            of its first ``S0`` streams (S0 may be 0).
-        first_before: uint8[S1, B], the previous call's first observations.
+        last_next: uint[S0, B], the previous call's last next observation
+            of its first ``S0`` streams (S0 may be 0), words as ``obs``.
+        first_before: uint[S1, B], the previous call's first observations.
         open_before: bool[S2], per stream, the previous call's last row was
             not done (its next row must continue it); empty to check nothing.
         restart: bool[N] or empty, per row of ``obs``, the row restarts its
             stream (``is_init``).
-        ids: uint8[N, C] or empty ``[0, 0]``, further bytes of the
+        ids: uint[N, C] or empty ``[0, 0]``, further words of the
             fingerprint (the rows' trajectory ids), read like ``obs``.
-        ids_before: uint8[S3, C], the previous call's first ``ids``.
+        ids_before: uint[S3, C], the previous call's first ``ids``.
 
     Returns:
         ``(first, last, cont, same_first, broken, first_ids)``: copies of
         each stream's first observation and last next observation
-        (uint8[S, B]); per stream, 1 where its first row's observation
+        (uint[S, B], the words of ``obs``); per stream, 1 where its first row's observation
         equals ``last_next`` (0 where it differs or the stream is new);
         whether every first row equals ``first_before`` and, with ``ids``,
         ``ids_before`` (a call bringing the last call's batch again); the
         first stream that was open, does not continue and does not restart
-        (-1 if none); and a copy of each stream's first ``ids`` (uint8[S, C],
+        (-1 if none); and a copy of each stream's first ``ids`` (uint[S, C],
         ``[0, 0]`` without ids).
     """
     n_streams = obs.shape[0] // steps
     width = obs.shape[1]
-    first = np.empty((n_streams, width), np.uint8)
-    last = np.empty((n_streams, width), np.uint8)
+    first = np.empty((n_streams, width), obs.dtype)
+    last = np.empty((n_streams, width), obs.dtype)
     cont = np.zeros(n_streams, np.uint8)
     same_first = first_before.shape[0] == n_streams and first_before.shape[1] == width
     known = last_next.shape[0] if last_next.shape[1] == width else 0
@@ -439,7 +443,7 @@ def stream_ends(  # noqa: PLR0913 - one pass over every end of a call
     restarts = restart.shape[0] > 0
     broken = -1
     id_width = ids.shape[1] if ids.shape[0] > 0 else 0
-    first_ids = np.empty((n_streams if ids.shape[0] > 0 else 0, id_width), np.uint8)
+    first_ids = np.empty((n_streams if ids.shape[0] > 0 else 0, id_width), ids.dtype)
     if ids.shape[0] > 0 and (ids_before.shape[0] != n_streams or ids_before.shape[1] != id_width):
         same_first = False
     # Copies, then comparisons as OR-reductions of XORs without branches:
@@ -456,18 +460,19 @@ def stream_ends(  # noqa: PLR0913 - one pass over every end of a call
     for s in range(n_streams):
         equal = False
         if s < known:
-            diff = np.uint8(0)
+            diff = obs.dtype.type(0)
             for j in range(width):
                 diff |= first[s, j] ^ last_next[s, j]
             equal = diff == 0
         cont[s] = equal
         if same_first:
-            diff = np.uint8(0)
+            diff = obs.dtype.type(0)
             for j in range(width):
                 diff |= first[s, j] ^ first_before[s, j]
+            id_diff = ids.dtype.type(0)
             for j in range(id_width):
-                diff |= first_ids[s, j] ^ ids_before[s, j]
-            same_first = diff == 0
+                id_diff |= first_ids[s, j] ^ ids_before[s, j]
+            same_first = diff == 0 and id_diff == 0
         if broken < 0 and not equal and s < n_open and open_before[s]:
             if not (restarts and restart[s * steps]):
                 broken = s
