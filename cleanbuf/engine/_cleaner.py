@@ -185,7 +185,7 @@ class Cleaner:
         out, new_held = self._move(call, plan)
         self._patch(call, plan, out, new_held)
         self.commit(call, plan, new_held)
-        return as_td(out.tensors, len(plan.release) + len(plan.sel.emit), call.device)
+        return as_td(out.tensors, plan.release.n + len(plan.sel.emit), call.device)
 
     # ------------------------------------------------------ 1. read and check
     @property
@@ -257,7 +257,7 @@ class Cleaner:
     def _patch(self, call: Call, plan: Plan, out: Views, new_held: dict) -> None:
         """Writes next observations, ``is_init`` and step counts into the copies."""
         opts, sel, release = self.options, plan.sel, plan.release
-        n_rel = len(release)
+        n_rel = release.n
         if call.rules.stitch:
             write_next_obs(
                 out, n_rel, call.views, call.obs_keys, sel, release.src, call.final_of,
@@ -292,7 +292,7 @@ class Cleaner:
         restitched = len(sel.stitched) + release.n_stitched + len(sel.final)
         s = self._stats
         s["rows_in"] += call.layout.n_rows
-        s["rows_out"] += len(release) + len(sel.emit)
+        s["rows_out"] += release.n + len(sel.emit)
         s["reset_rows_dropped"] += plan.n_drop
         s["next_obs_restitched"] += restitched if call.rules.stitch else 0
         s["terminal_obs_missing"] += plan.n_lost + release.n_terminal_lost

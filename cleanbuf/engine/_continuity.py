@@ -28,7 +28,7 @@ their held rows take the next call's first row as it is).
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,32 +39,35 @@ from cleanbuf.engine._write import Views, index_tensor
 
 _NO_BYTES = np.zeros((0, 0), np.uint8)
 _NO_FLAGS = np.zeros(0, np.bool_)
+_NO_FLAGS.flags.writeable = False
 
 
-@dataclasses.dataclass(frozen=True)
-class LastRows:
+class LastRows(NamedTuple):
     """Per stream, what the stream's next row must continue (part of the carry).
 
+    (Named tuples: a call builds them, where a frozen dataclass costs
+    several times more.)
+
     Attributes:
-        next_obs: observation key -> the bytes of the stored next
-            observation of the stream's last row, uint8 ``[S, B]``.
+        next_obs: observation key -> the stored next observation of the
+            stream's last row, as words ``[S, W]`` (:func:`words`; bytes
+            ``uint8[S, B]`` in a state loaded from a state dict).
         open: bool ``[S]``: the next row must continue that row (it was
             not done). False for streams not seen yet.
     """
 
-    next_obs: dict = dataclasses.field(default_factory=dict)
-    open: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.bool_))
+    next_obs: dict = {}  # (never written: every call builds a new one)  # noqa: RUF012
+    open: np.ndarray = _NO_FLAGS
 
 
-@dataclasses.dataclass(frozen=True)
-class CallEnds:
+class CallEnds(NamedTuple):
     """What a time-aligned call's first and last rows say.
 
     Attributes:
         last: the call's last rows, for the next call.
         cont: uint8 ``[S]``: 1 where the stream's first row continues the
             previous call's last row (every observation key equal).
-        first: key -> the first rows' bytes (the observations, and the
+        first: key -> the first rows as words (the observations, and the
             trajectory ids when the rows have some): the retry fingerprint.
         repeats: every first row equals the fingerprint it was compared with.
         broken: the first stream whose first row does not continue its
@@ -144,9 +147,9 @@ def read_ends(
             id_bytes,
             words(fingerprint.get(id_key), id_bytes.dtype),
         )
-        first[k], last[k] = f.view(np.uint8), last_k.view(np.uint8)
+        first[k], last[k] = f, last_k
         if id_key is not None:
-            first[id_key] = f_ids.view(np.uint8)
+            first[id_key] = f_ids
         cont = c if cont is None else cont & c
         repeats = repeats and same
         if b >= 0 and (broken < 0 or b < broken):  # broken for any key: broken
@@ -157,7 +160,7 @@ def read_ends(
             id_bytes, id_bytes, k_steps, none, words(fingerprint.get(k), id_bytes.dtype),
             _NO_FLAGS, _NO_FLAGS, _NO_BYTES, _NO_BYTES,
         )  # fmt: skip
-        first[k] = f.view(np.uint8)
+        first[k] = f
         repeats = repeats and same
     repeats = repeats and fingerprint.keys() == first.keys()
     return CallEnds(LastRows(last, ~done[steps - 1 :: steps]), cont, first, repeats, broken)
@@ -225,7 +228,7 @@ def _row_bytes(rows: Views, key: tuple, next_key: tuple, steps: int) -> tuple:
         and a.dtype.kind != "O"
     ):
         n = len(a)
-        a, b, n_steps = a.reshape(n, -1).view(np.uint8), b.reshape(n, -1).view(np.uint8), steps
+        a, b, n_steps = a.reshape(n, -1), b.reshape(n, -1), steps
     else:
         n = rows.n_rows or len(rows.flat(key))
         first = index_tensor(np.arange(0, n, steps))
@@ -234,32 +237,35 @@ def _row_bytes(rows: Views, key: tuple, next_key: tuple, steps: int) -> tuple:
         a = as_bytes(x.index_select(0, first.to(x.device)))
         b = as_bytes(y.index_select(0, last.to(y.device)))
         n_steps = 1
-    word = _WORDS[min(a.shape[1] & -a.shape[1], 8)] if a.shape[1] else np.uint8
-    return words(a, word), words(b, word), n_steps
+    width = a.shape[1] * a.itemsize
+    word = _WORDS[min(width & -width, 8)] if width else _WORDS[1]
+    return a.view(word), b.view(word), n_steps
 
 
-_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_WORDS = {size: np.dtype(f"uint{8 * size}") for size in (1, 2, 4, 8)}
 _NO_WORDS = {w: np.zeros((0, 0), w) for w in _WORDS.values()}
 
 
-def words(x: np.ndarray | None, word) -> np.ndarray:
-    """Rows of bytes ``uint8[R, B]`` viewed as unsigned words ``[R, B / size]``.
+def words(x: np.ndarray | None, word: np.dtype) -> np.ndarray:
+    """Rows of bytes ``[R, B]`` (or of other words) viewed as unsigned words ``word``.
 
     Empty (``[0, 0]``) for None, or where ``B`` is not a whole number of
     words (such rows differ in width from any rows of that word: they
     compare as different).
 
     Examples:
-        >>> words(np.arange(8, dtype=np.uint8).reshape(1, 8), np.uint32).shape
+        >>> words(np.arange(8, dtype=np.uint8).reshape(1, 8), np.dtype(np.uint32)).shape
         (1, 2)
-        >>> words(np.zeros((1, 6), np.uint8), np.uint32).shape
+        >>> words(np.zeros((1, 6), np.uint8), np.dtype(np.uint32)).shape
         (0, 0)
     """
-    word = np.dtype(word)
     if x is None:
-        return _NO_WORDS[word.type]
+        return _NO_WORDS[word]
     if x.dtype == word:
         return x
-    if x.ndim != 2 or x.shape[1] % word.itemsize or not x.flags.c_contiguous:
-        return _NO_WORDS[word.type]
+    if x.ndim != 2 or not x.flags.c_contiguous:
+        return _NO_WORDS[word]
+    x = x.view(np.uint8)
+    if x.shape[1] % word.itemsize:
+        return _NO_WORDS[word]
     return x.view(word)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import warnings
 from typing import Any
@@ -190,7 +191,7 @@ class Options:
         """
         return dataclasses.asdict(self)
 
-    @property
+    @functools.cached_property
     def step_count_keys(self) -> tuple:
         """The step-count keys to fix.
 

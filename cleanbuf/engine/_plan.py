@@ -11,7 +11,6 @@ counts; no tensor is touched or written here.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -110,7 +109,6 @@ def lost_policy(
 _NO_FLAGS = np.zeros(0, np.bool_)
 
 
-@dataclasses.dataclass(frozen=True)
 class Release:
     """The held rows a call releases, in output order (they come first).
 
@@ -125,19 +123,30 @@ class Release:
         lost_done: per lost row (dropped ones included), whether it is a
             done row.
         n_dropped: lost rows left out (the "drop" policy).
+        n: rows released (``len(streams)``).
+        n_stitched: released rows whose next observation this call brings.
+        n_lost: released rows whose next observation is lost.
+        n_terminal_lost: of those, the done rows.
     """
 
-    streams: np.ndarray
-    slots: np.ndarray
-    src: np.ndarray
-    lost_done: np.ndarray
-    n_dropped: int = 0
+    __slots__ = (
+        "streams", "slots", "src", "lost_done", "n_dropped", "n", "n_stitched", "n_lost",
+        "n_terminal_lost",
+    )  # fmt: skip
+
+    def __init__(self, streams, slots, src, lost_done, n_dropped: int = 0):
+        self.streams, self.slots, self.src, self.lost_done = streams, slots, src, lost_done
+        self.n_dropped = n_dropped
+        self.n = len(streams)
+        self.n_stitched = int(np.count_nonzero(src >= 0)) if self.n else 0
+        self.n_lost = len(lost_done)
+        self.n_terminal_lost = int(np.count_nonzero(lost_done)) if self.n_lost else 0
 
     @classmethod
     def of(cls, carry: Carry, released_src: np.ndarray, done_key) -> Release:
         """Reads the kernel's per-stream ``released_src`` against the held rows."""
         if not len(carry.held_stream):
-            return cls(NO_ROWS, NO_ROWS, NO_ROWS, _NO_FLAGS)
+            return NO_RELEASE
         slot_of = np.full(len(released_src), -1, np.int64)
         slot_of[carry.held_stream] = np.arange(len(carry.held_stream))
         streams = np.flatnonzero((released_src != -1) & (slot_of >= 0))
@@ -147,24 +156,6 @@ class Release:
             held = Views(carry.held, 1, len(carry.held_stream))
             lost_done = done_flags(held, done_key)[slots[src == RELEASED_LOST]]
         return cls(streams, slots, src, lost_done)
-
-    def __len__(self) -> int:
-        return len(self.streams)
-
-    @property
-    def n_stitched(self) -> int:
-        """Released rows whose next observation this call brings."""
-        return int(np.count_nonzero(self.src >= 0))
-
-    @property
-    def n_lost(self) -> int:
-        """Released rows whose next observation is lost."""
-        return len(self.lost_done)
-
-    @property
-    def n_terminal_lost(self) -> int:
-        """Of those, the done rows."""
-        return int(np.count_nonzero(self.lost_done))
 
     def without_lost(self) -> Release:
         """The same release with the lost rows left out (the "drop" policy)."""
@@ -176,6 +167,9 @@ class Release:
             self.lost_done,
             n_dropped=len(self.src) - int(np.count_nonzero(keep)),
         )
+
+
+NO_RELEASE = Release(NO_ROWS, NO_ROWS, NO_ROWS, _NO_FLAGS)  # no held row: nothing released
 
 
 class Plan(NamedTuple):

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -540,8 +540,7 @@ class SameBatchAgain(Exception):
     """Raised inside the cleaner when a call brings the last call's batch again."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Fingerprint:
+class Fingerprint(NamedTuple):
     """The first row of each stream of a time-aligned call.
 
     Attributes:
@@ -614,10 +613,16 @@ class Schema:
 
 
 def structure(layout: CallLayout, leaves: dict, batch_dims: int) -> tuple:
-    """The key of a batch's :class:`Schema`: its layout, each leaf's key, dtype and row shape."""
+    """The key of a batch's :class:`Schema`: its layout, each leaf's key, dtype and shape.
+
+    Fixed layouts key on the whole shapes (the batch part is the layout's,
+    and reading them whole costs half); stream-key batches, whose row count
+    changes from call to call, on the row shapes.
+    """
+    if layout.kind != "stream_key":
+        return (layout.kind, batch_dims, tuple([(k, v.dtype, v.shape) for k, v in leaves.items()]))
     return (
         layout.kind,
-        layout.stream_shape if layout.kind != "stream_key" else None,
         batch_dims,
         tuple([(k, v.dtype, v.shape[batch_dims:]) for k, v in leaves.items()]),
     )
@@ -764,7 +769,7 @@ class Reader:
         self.fingerprint = None
         layout = self._layout(td, carry)
         leaves = batch_leaves(td)  # as stored; read as rows through views
-        views = Views(leaves, td.batch_dims, layout.n_rows)
+        views = Views.of_batch(leaves, td.batch_dims, layout.n_rows)
         key = structure(layout, leaves, td.batch_dims)
         schema = self._schemas.get(key)
         if schema is None:

@@ -89,7 +89,7 @@ class Carry:
     per_stream: np.ndarray = dataclasses.field(default_factory=no_streams)
     held: dict = dataclasses.field(default_factory=dict)  # key -> tensor [H, ...]
     held_stream: np.ndarray = _empty(np.int64)
-    last: LastRows = dataclasses.field(default_factory=LastRows)  # for the continuity check
+    last: LastRows = LastRows()  # for the continuity check (immutable)
     traj_ids: np.ndarray = _empty(np.int64)  # producer_key: the last rows' trajectory ids
     # Observation key -> (dtype, feature shape) of the calls so far (a change is refused).
     obs_schema: dict = dataclasses.field(default_factory=dict)
@@ -149,7 +149,9 @@ class Carry:
             else torch.from_numpy(self.stream_ids.copy()),
             "held": {k: v.clone() for k, v in self.held.items()},
             "held_stream": torch.from_numpy(self.held_stream.copy()),
-            "last_next": {k: torch.as_tensor(v).clone() for k, v in self.last.next_obs.items()},
+            "last_next": {
+                k: torch.from_numpy(v.view(np.uint8).copy()) for k, v in self.last.next_obs.items()
+            },
             "last_open": torch.from_numpy(self.last.open.copy()),
             "traj_ids": torch.from_numpy(self.traj_ids.copy()),
         }

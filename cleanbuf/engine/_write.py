@@ -161,6 +161,34 @@ class Views(dict):
         self._rows = (n_rows,)
         self._flat = tensors if batch_dims == 1 else {}
 
+    @classmethod
+    def of_batch(cls, tensors: dict, batch_dims: int, n_rows: int) -> Views:
+        """The views of a call's leaves, every numpy view made at once.
+
+        A call reads every leaf as numpy (its flags, its stream ends, the
+        gathers): one loop here, instead of one lookup and one
+        :func:`numpy_view` call per leaf.
+
+        Examples:
+            >>> views = Views.of_batch({"a": torch.zeros(2, 3)}, 2, 6)
+            >>> views["a"].shape
+            (6,)
+        """
+        views = cls(tensors, batch_dims, n_rows)
+        rows = views._rows
+        for key, t in tensors.items():
+            a = None
+            if t.is_cpu and not t.requires_grad:
+                try:
+                    a = t.numpy()
+                except (TypeError, RuntimeError):  # bfloat16, float8, conjugate views, ...
+                    a = None
+                else:
+                    if batch_dims != 1:
+                        a = a.reshape(rows + a.shape[batch_dims:])
+            views[key] = a
+        return views
+
     def flat(self, key) -> torch.Tensor:
         """``tensors[key]`` with its batch dimensions flattened (a view where possible)."""
         x = self._flat.get(key)
