@@ -178,7 +178,7 @@ class Cleaner:
 
     def _clean(self, td: TensorDictBase) -> TensorDictBase:
         """Cleans one batch against ``self._carry``; commits only on success."""
-        call = self.read(td)
+        call = self.read(td, plan=True)
         if call.as_is:
             return self._pass_through(call)
         plan = self.plan(call)
@@ -193,10 +193,14 @@ class Cleaner:
         """The carry state of the producer of the last call (read it; never write it)."""
         return self._carry
 
-    def read(self, td: TensorDictBase) -> Call:
-        """Reads and checks a batch (:class:`cleanbuf.engine._read.Reader`); changes nothing."""
+    def read(self, td: TensorDictBase, plan: bool = False) -> Call:
+        """Reads and checks a batch (:class:`cleanbuf.engine._read.Reader`); changes nothing.
+
+        With ``plan``, a call whose structure allows it is planned in the
+        same kernel call (``call.planned``, which :meth:`plan` then uses).
+        """
         before = self._undo.fingerprint if self._undo is not None else None
-        return self._reader.read(td, self._carry, before)
+        return self._reader.read(td, self._carry, before, plan)
 
     def _pass_through(self, call: Call) -> TensorDictBase:
         """Every row as it came, as views of the batch.

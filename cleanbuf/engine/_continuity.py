@@ -129,9 +129,9 @@ def read_ends(
     broken = -1
     ids = []
     for k in fingerprint_keys:  # (a loop: a comprehension is one more Python call)
-        ids.append((k, *_row_bytes(rows, k, k, steps)))
+        ids.append((k, *row_words(rows, k, k, steps)))
     for k in obs_keys:
-        obs, nxt, k_steps = _row_bytes(rows, k, ("next", *k), steps)
+        obs, nxt, k_steps = row_words(rows, k, ("next", *k), steps)
         k_restart = restart if k_steps == steps or not len(restart) else restart[::steps].copy()
         # The fingerprint's further keys are read in the same pass where they line up.
         id_key, id_bytes, _, id_steps = ids.pop() if ids and ids[-1][3] == k_steps else (None,) * 4
@@ -211,7 +211,7 @@ def as_bytes(x) -> np.ndarray:
     return x.reshape(len(x), -1).view(np.uint8)
 
 
-def _row_bytes(rows: Views, key: tuple, next_key: tuple, steps: int) -> tuple:
+def row_words(rows: Views, key: tuple, next_key: tuple, steps: int) -> tuple:
     """The words of ``rows[key]`` and ``rows[next_key]``, and the rows per stream.
 
     Each row's bytes are viewed as the widest unsigned word that divides

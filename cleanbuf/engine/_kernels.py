@@ -642,6 +642,85 @@ def plan_rows(n, steps, stream, done, stored, joint, group, final_ok, final_defa
     return selection, released_src, carry, n_drop, n_lost, n_next_lost, n_done, bad_row
 
 
+@njit(cache=True, nogil=True)
+def one_pass(n, steps, done, fills, floating, stored, group, final_ok, final_default, reward,
+             restart, terminated, truncated, marks, obs, next_obs, last_next, first_before,
+             open_before, ends_restart, ids, ids_before, carry, reset_rows, successor, final,
+             stitch, hold_done, drop_lost):  # fmt: skip
+    """The stream ends, the stored next observations and the plan of a call, in one call.
+
+    :func:`stream_ends`, then which done rows hold their next observation
+    (:func:`read_fills` over ``fills``), then :func:`plan_rows`: what the
+    read and the plan steps run one kernel each for, in one call from
+    Python, for a time-aligned call of one observation key whose rows are
+    numpy views (the read step's common case).
+
+    Args:
+        n: rows in the call.
+        steps: rows per stream (row ``i`` belongs to stream ``i // steps``).
+        done: bool[N], the rows' done flags.
+        fills: [N, W] the observation key's next observations (its dtype,
+            booleans as uint8), read on the done rows: zero- or NaN-filled
+            ones are not stored; empty ``[0, 0]`` to take ``stored`` as given.
+        floating: ``fills`` holds floating-point values.
+        stored: bool[N] or empty, used where ``fills`` is empty (see
+            :func:`plan`). Writeable: the kernel makes one of that type.
+        group: as :func:`plan`.
+        final_ok: as :func:`plan`.
+        final_default: as :func:`plan`.
+        reward: as :func:`plan`.
+        restart: as :func:`plan`.
+        terminated: as :func:`plan`.
+        truncated: as :func:`plan`.
+        marks: as :func:`plan`.
+        obs: as :func:`stream_ends`.
+        next_obs: as :func:`stream_ends`.
+        last_next: as :func:`stream_ends`.
+        first_before: as :func:`stream_ends`.
+        open_before: as :func:`stream_ends`.
+        ends_restart: :func:`stream_ends`'s ``restart`` (empty: continuity
+            is not checked).
+        ids: as :func:`stream_ends`.
+        ids_before: as :func:`stream_ends`.
+        carry: as :func:`plan`.
+        reset_rows: as :func:`plan`.
+        successor: as :func:`plan`.
+        final: as :func:`plan`.
+        stitch: as :func:`plan`.
+        hold_done: as :func:`plan`.
+        drop_lost: as :func:`select_rows`.
+
+    Returns:
+        ``(ends, planned)``: :func:`stream_ends`'s results and
+        :func:`plan_rows`'s (whose ``cont`` is the ends' ``cont``).
+    """
+    ends = stream_ends(obs, next_obs, steps, last_next, first_before, open_before,
+                       ends_restart, ids, ids_before)  # fmt: skip
+    if fills.shape[0] > 0:
+        n_done = 0
+        for i in range(n):
+            n_done += done[i]
+        stored = np.zeros(n if n_done else 0, np.bool_)
+        if n_done:
+            done_rows = np.empty(n_done, np.int64)
+            j = 0
+            for i in range(n):
+                if done[i]:
+                    done_rows[j] = i
+                    j += 1
+            zero = np.ones(n_done, np.bool_)
+            nan = np.zeros(n_done, np.bool_)
+            read_fills(fills, done_rows, floating, zero, nan)
+            for j in range(n_done):
+                stored[done_rows[j]] = not (zero[j] or nan[j])
+    planned = plan_rows(
+        n, steps, NO_ROWS, done, stored, done[:0], group, final_ok, final_default, reward,
+        restart, terminated, truncated, marks, ends[2], carry, reset_rows, successor, final,
+        stitch, hold_done, drop_lost,
+    )  # fmt: skip
+    return ends, planned
+
+
 class Rules(NamedTuple):
     """The kernel's mode flags for one kind of call (see :mod:`cleanbuf.engine._kernels`).
 

@@ -21,7 +21,13 @@ from cleanbuf.engine._errors import (
     TerminalObservationLostError,
     key_name,
 )
-from cleanbuf.engine._kernels import NO_ROWS, RELEASED_LOST, Selection, run_plan
+from cleanbuf.engine._kernels import (
+    NO_ROWS,
+    RELEASED_LOST,
+    KernelResult,
+    Selection,
+    run_plan,
+)
 from cleanbuf.engine._keys import done_flags
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._read import Call
@@ -212,7 +218,11 @@ def plan(call: Call, options: Options) -> Plan:
         TerminalObservationLostError, InputError: see :func:`lost_policy`.
     """
     layout = call.layout
-    k = run_plan(call.flags(options), call.carry.per_stream, call.rules)
+    if call.planned is not None:  # read and planned in one kernel call
+        sel, *rest = call.planned
+        k = KernelResult(Selection(*sel), *rest)
+    else:
+        k = run_plan(call.flags(options), call.carry.per_stream, call.rules)
     if k.bad_row >= 0:
         stream = int(layout.stream_of(np.array([k.bad_row]))[0])
         raise bad_reset_row(k.bad_row, stream, bool(call.done[k.bad_row]))

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from cleanbuf.engine._continuity import CallEnds, check, read_ends
+from cleanbuf.engine._continuity import CallEnds, LastRows, check, read_ends, row_words, words
 from cleanbuf.engine._errors import (
     InputError,
     LayoutError,
@@ -81,6 +81,7 @@ from cleanbuf.engine._kernels import (
     WAITING,
     Flags,
     Rules,
+    one_pass,
     read_fills,
 )
 from cleanbuf.engine._keys import (
@@ -559,6 +560,9 @@ class Fingerprint(NamedTuple):
 _CACHE_SIZE = 64
 _NO_CONT = np.zeros(0, np.uint8)
 _NO_CONT.flags.writeable = False
+_NO_WORDS = np.zeros((0, 0), np.uint8)
+_NO_FILLS = np.zeros((0, 0), np.uint8)
+_EMPTY_BOOL = np.zeros(0, np.bool_)  # (writeable: the kernel's type of a stored array it makes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -592,7 +596,12 @@ class Schema:
         group: the reset group size the kernel reads from done flags (0: none).
         exact: the rows carry trajectory ids (a batch again is recognised
             on every call).
-        bookkeeping: the rows hold ``is_init`` / a step count the cleaner fixes.
+        has_is_init: the rows hold the ``is_init`` the cleaner fixes.
+        has_step_count: the rows hold a step count the cleaner fixes.
+        one_pass: a call of this structure can be read and planned in one
+            kernel call (:meth:`Reader.read` with ``plan=True``): time-aligned
+            full transitions of one observation key, whose reward, if
+            checked, is present.
     """
 
     done: object
@@ -610,6 +619,7 @@ class Schema:
     exact: bool = False
     has_is_init: bool = False
     has_step_count: bool = False
+    one_pass: bool = False
 
 
 def structure(layout: CallLayout, leaves: dict, batch_dims: int) -> tuple:
@@ -672,11 +682,20 @@ def build_schema(options: Options, layout: CallLayout, views: Views, batch_dims:
     group = 0
     if opts.joint_reset and opts.joint_key is None:
         group = opts.reset_group_size or layout.n_streams
+    checks_reward = opts.check_reset_rows and opts.reward_key is not None
+    fills = leaves[("next", *obs_keys[0])].dtype if not obs_only else None
+    one_pass = (
+        ends
+        and len(obs_keys) == 1
+        and (not checks_reward or opts.mode != "next_step" or opts.reward_key in leaves)
+        and fills not in (torch.float16, torch.bfloat16, torch.complex64, torch.complex128)
+    )
     return Schema(
         done, empty_entry, obs_keys, obs_only, obs_schema, final_of, final_mask, entry_keys,
         moved, rules, marks, group, exact,
         has_is_init=opts.is_init_key in leaves,
         has_step_count=any(k in leaves for k in opts.step_count_keys),
+        one_pass=bool(one_pass),
     )  # fmt: skip
 
 
@@ -699,6 +718,7 @@ class Call:
     rules: Rules | None = None
     schema: dict = dataclasses.field(default_factory=dict)  # obs key -> (dtype, feature shape)
     structure: Schema | None = None  # what the batch's structure decided (None: disabled mode)
+    planned: tuple | None = None  # the kernel's plan, where the read made it (Reader._one_pass)
     as_is: bool = True  # nothing to clean: the rows pass through as views
 
     def flags(self, options: Options) -> Flags:
@@ -748,13 +768,18 @@ class Reader:
         self._schemas: dict = {}  # structure -> Schema
         self.fingerprint: Fingerprint | None = None  # of the call read last
 
-    def read(self, td: TensorDictBase, carry: Carry, before: Fingerprint | None) -> Call:
+    def read(
+        self, td: TensorDictBase, carry: Carry, before: Fingerprint | None, plan: bool = False
+    ) -> Call:
         """Reads and checks a batch against ``carry``; changes nothing.
 
         Args:
             td: the batch.
             carry: the producer's carry state.
             before: the last call's fingerprint (a batch written again).
+            plan: plan the call too where its structure allows one kernel
+                call for both (:attr:`Schema.one_pass`): the plan is then in
+                ``call.planned``.
 
         Raises:
             InputError, LayoutError, ContinuityError: bad or discontinuous input.
@@ -803,13 +828,82 @@ class Reader:
         call.restart = restart_rows(opts, views)
         call.rules = schema.rules
         call.structure = schema
-        self._read_ends(call, carry, before)
         call.as_is = (
             not call.rules.successor
             and not np.count_nonzero(call.done)
             and self._nothing_pending(call.carry, schema)
         )
+        # Planned with the read where there is a plan to make (a call with
+        # nothing to clean passes through as it is).
+        planned = plan and schema.one_pass and not call.as_is
+        if not (planned and self._one_pass(call, carry, before)):
+            self._read_ends(call, carry, before)
         return call
+
+    def _one_pass(self, call: Call, carry: Carry, before: Fingerprint | None) -> bool:
+        """Reads the stream ends and plans the call in one kernel call (:func:`one_pass`).
+
+        What :meth:`_read_ends` and the plan step do, with the stored next
+        observations, for a call of a :attr:`Schema.one_pass` structure.
+        False (nothing read) where the rows have no numpy views (another
+        device, a dtype numpy lacks).
+
+        Raises:
+            SameBatchAgain, ContinuityError: as :meth:`_read_ends`.
+        """
+        opts, views, layout, schema = self.options, call.views, call.layout, call.structure
+        steps, n = layout.steps, layout.n_rows
+        key = schema.obs_keys[0]
+        obs, nxt, k_steps = row_words(views, key, ("next", *key), steps)
+        ids = _NO_WORDS
+        if schema.exact:
+            ids, _, id_steps = row_words(views, TRAJ_IDS, TRAJ_IDS, steps)
+            k_steps = min(k_steps, id_steps)
+        fills = _NO_FILLS
+        stored = NONE
+        if call.rules.reset_rows:
+            if opts.terminal_obs_in_done_row:
+                stored = call.done
+            else:
+                fills = views[("next", *key)]
+        reward = reward_rows(opts, views)
+        term = views.get(("next", "terminated"), NONE)
+        trunc = views.get(("next", "truncated"), NONE)
+        if k_steps != steps or fills is None or term is None or trunc is None:
+            return False
+        if fills.dtype == np.bool_:
+            fills = fills.view(np.uint8)
+        fills = fills.reshape(n, -1) if len(fills) else fills
+        fingerprint = {} if before is None else before.rows
+        checked = opts.check_continuity
+        rules = call.rules
+        ends, planned = one_pass(
+            n, steps, call.done, fills, fills.dtype.kind == "f",
+            _EMPTY_BOOL if stored is NONE else stored, schema.group,
+            NONE if call.final_present is None else call.final_present, bool(call.final_of),
+            reward, call.restart, term.reshape(-1) if len(term) else term,
+            trunc.reshape(-1) if len(trunc) else trunc, schema.marks,
+            obs, nxt, words(carry.last.next_obs.get(key), obs.dtype),
+            words(fingerprint.get(key), obs.dtype),
+            carry.last.open if checked else NONE, call.restart if checked else NONE,
+            ids, words(fingerprint.get(TRAJ_IDS), ids.dtype), call.carry.per_stream,
+            rules.reset_rows, rules.successor, rules.final, rules.stitch, rules.hold_done,
+            rules.drop_lost,
+        )  # fmt: skip
+        first_k, last_k, cont, same, broken, first_ids = ends
+        first = {key: first_k}
+        if schema.exact:
+            first[TRAJ_IDS] = first_ids
+        repeats = bool(fingerprint) and same and fingerprint.keys() == first.keys()
+        self.fingerprint = Fingerprint(schema.exact, first, repeats)
+        if schema.exact and repeats:
+            raise SameBatchAgain
+        call.ends = CallEnds(
+            LastRows({key: last_k}, ~call.done[steps - 1 :: steps]), cont, first, repeats, broken
+        )
+        check(call.ends, call.obs_keys)
+        call.planned = planned
+        return True
 
     def _read_ends(self, call: Call, carry: Carry, before: Fingerprint | None) -> None:
         """Reads the stream ends, checks continuity, recognises a batch again.
