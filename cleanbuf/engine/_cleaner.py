@@ -193,14 +193,15 @@ class Cleaner:
         """The carry state of the producer of the last call (read it; never write it)."""
         return self._carry
 
-    def read(self, td: TensorDictBase, plan: bool = False) -> Call:
+    def read(self, td: TensorDictBase, plan: bool = False, keep_lost: bool = False) -> Call:
         """Reads and checks a batch (:class:`cleanbuf.engine._read.Reader`); changes nothing.
 
         With ``plan``, a call whose structure allows it is planned in the
-        same kernel call (``call.planned``, which :meth:`plan` then uses).
+        same kernel call (``call.planned``, which :meth:`plan` then uses),
+        with ``keep_lost`` keeping the rows whose next observation is lost.
         """
         before = self._undo.fingerprint if self._undo is not None else None
-        return self._reader.read(td, self._carry, before, plan)
+        return self._reader.read(td, self._carry, before, plan, keep_lost)
 
     def _pass_through(self, call: Call) -> TensorDictBase:
         """Every row as it came, as views of the batch.

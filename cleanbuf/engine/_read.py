@@ -769,7 +769,12 @@ class Reader:
         self.fingerprint: Fingerprint | None = None  # of the call read last
 
     def read(
-        self, td: TensorDictBase, carry: Carry, before: Fingerprint | None, plan: bool = False
+        self,
+        td: TensorDictBase,
+        carry: Carry,
+        before: Fingerprint | None,
+        plan: bool = False,
+        keep_lost: bool = False,
     ) -> Call:
         """Reads and checks a batch against ``carry``; changes nothing.
 
@@ -780,6 +785,8 @@ class Reader:
             plan: plan the call too where its structure allows one kernel
                 call for both (:attr:`Schema.one_pass`): the plan is then in
                 ``call.planned``.
+            keep_lost: plan rows whose next observation is lost as kept
+                whatever the options say (the repair masks them).
 
         Raises:
             InputError, LayoutError, ContinuityError: bad or discontinuous input.
@@ -836,11 +843,13 @@ class Reader:
         # Planned with the read where there is a plan to make (a call with
         # nothing to clean passes through as it is).
         planned = plan and schema.one_pass and not call.as_is
-        if not (planned and self._one_pass(call, carry, before)):
+        if not (planned and self._one_pass(call, carry, before, keep_lost)):
             self._read_ends(call, carry, before)
         return call
 
-    def _one_pass(self, call: Call, carry: Carry, before: Fingerprint | None) -> bool:
+    def _one_pass(
+        self, call: Call, carry: Carry, before: Fingerprint | None, keep_lost: bool
+    ) -> bool:
         """Reads the stream ends and plans the call in one kernel call (:func:`one_pass`).
 
         What :meth:`_read_ends` and the plan step do, with the stored next
@@ -888,7 +897,7 @@ class Reader:
             carry.last.open if checked else NONE, call.restart if checked else NONE,
             ids, words(fingerprint.get(TRAJ_IDS), ids.dtype), call.carry.per_stream,
             rules.reset_rows, rules.successor, rules.final, rules.stitch, rules.hold_done,
-            rules.drop_lost,
+            rules.drop_lost and not keep_lost,
         )  # fmt: skip
         first_k, last_k, cont, same, broken, first_ids = ends
         first = {key: first_k}

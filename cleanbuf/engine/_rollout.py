@@ -146,12 +146,12 @@ class Rollouts:
             out.set(self.mask_key, torch.zeros(td.batch_size, dtype=torch.bool, device=td.device))
             return out
         cleaner = self.cleaner
-        call = cleaner.read(td)
+        call = cleaner.read(td, plan=True, keep_lost=True)  # lost rows are masked, not gone
         n = call.layout.n_rows
         rows = _copies(call.views, call.moved, n)
         if call.carry is None:  # disabled mode: nothing to repair
             return self._emit(td, rows, hold=False, counts={})
-        call.rules = call.rules._replace(drop_lost=False)  # lost rows are masked, not gone
+        call.rules = call.rules._replace(drop_lost=False)
         plan = cleaner.plan(call)
         counts = self._patch(call, plan, rows)
         held = self._release(call, plan, counts)

@@ -166,8 +166,7 @@ class Views(dict):
         """The views of a call's leaves, every numpy view made at once.
 
         A call reads every leaf as numpy (its flags, its stream ends, the
-        gathers): one loop here, instead of one lookup and one
-        :func:`numpy_view` call per leaf.
+        gathers): one loop here, instead of a lookup that misses per leaf.
 
         Examples:
             >>> views = Views.of_batch({"a": torch.zeros(2, 3)}, 2, 6)
@@ -177,15 +176,9 @@ class Views(dict):
         views = cls(tensors, batch_dims, n_rows)
         rows = views._rows
         for key, t in tensors.items():
-            a = None
-            if t.is_cpu and not t.requires_grad:
-                try:
-                    a = t.numpy()
-                except (TypeError, RuntimeError):  # bfloat16, float8, conjugate views, ...
-                    a = None
-                else:
-                    if batch_dims != 1:
-                        a = a.reshape(rows + a.shape[batch_dims:])
+            a = numpy_view(t)
+            if a is not None and batch_dims != 1:
+                a = a.reshape(rows + a.shape[batch_dims:])
             views[key] = a
         return views
 

@@ -1,0 +1,213 @@
+"""The read step's fast paths against the general ones, and the schema cache.
+
+A call of one observation key, time-aligned, with full transitions, is read
+and planned in one kernel call (``_kernels.one_pass``, through
+``Reader._one_pass``); every other call takes one kernel per fact
+(``stream_ends``, ``read_fills``, ``plan_rows``). A batch's structure is
+checked once and cached (``_read.Schema``). These tests run both paths on
+the same random streams and check that they agree call by call, and that a
+structure that comes back after another is checked against what the cleaner
+holds, not against the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cleanbuf import AutoresetFilter, InputError, RolloutRepair
+from cleanbuf.engine import _read
+from tests.batches import assert_same_rows, grid_td, next_step_batch
+from tests.reference import simulate
+from tests.test_properties import cut_in_time
+
+
+def _without_one_pass(build):
+    """``build_schema`` whose schemas never take the one-kernel path."""
+
+    def build_general(*args, **kwargs):
+        return dataclasses.replace(build(*args, **kwargs), one_pass=False)
+
+    return build_general
+
+
+def _run(calls, make, fused: bool):
+    """Each call's output (or error) and the flush's, the stats and the state.
+
+    ``make()`` builds the filter or repair; ``fused`` False forces the
+    kernel-per-fact path, True counts the one-kernel calls.
+    """
+    cleaner = make()
+    patch = (
+        mock.patch.object(_read, "one_pass", wraps=_read.one_pass)
+        if fused
+        else mock.patch.object(_read, "build_schema", _without_one_pass(_read.build_schema))
+    )
+    outs = []
+    with patch as spy:
+        for c in calls:
+            try:
+                outs.append(cleaner(c) if isinstance(cleaner, RolloutRepair) else cleaner.inv(c))
+            except Exception as err:  # noqa: BLE001 - the same error on both paths
+                outs.append(f"{type(err).__name__}: {err}")
+        if not isinstance(cleaner, RolloutRepair):
+            outs.append(cleaner.flush())
+        used = spy.call_count if fused else 0
+    return outs, cleaner.stats, cleaner.state_dict(), used
+
+
+def _assert_same(fast, slow):
+    fast_outs, fast_stats, fast_state, _ = fast
+    slow_outs, slow_stats, slow_state, _ = slow
+    assert len(fast_outs) == len(slow_outs)
+    for i, (a, b) in enumerate(zip(fast_outs, slow_outs)):
+        if isinstance(b, str) or isinstance(a, str):
+            assert a == b, f"call {i}: {a} != {b}"
+        elif b is None or a is None:
+            assert a is None and b is None, f"call {i}: one path stored nothing"
+        else:
+            assert_same_rows(a, b, f"call {i}")
+    assert fast_stats == slow_stats
+    _assert_same_state(fast_state, slow_state, "state")
+
+
+def _assert_same_state(a, b, where):
+    """Equal state dicts: the same keys, values and tensors (dtype, shape, bytes)."""
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same_state(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_state(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(
+            a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b
+        ), where
+    else:
+        assert a == b, where
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 5),
+    steps=st.integers(1, 40),
+    joint=st.booleans(),
+    marks=st.booleans(),
+    zero_fill=st.sampled_from([True, False, 0.5]),
+    policy=st.sampled_from(["nan", "drop", "keep"]),
+    restarts=st.booleans(),
+    data=st.data(),
+)
+def test_one_kernel_call_equals_one_kernel_per_fact(
+    seed, n, steps, joint, marks, zero_fill, policy, restarts, data
+):
+    """Random collector-like streams (joint resets, batch-end marks with
+    trajectory ids, collector restarts, zero-filled or stored terminal
+    observations), cut at random time boundaries, cleaned with the
+    one-kernel path and with the kernel-per-fact path: the same rows, stats,
+    state and errors, call by call, and the one-kernel path taken.
+
+    Bugs caught: the fused kernel reading a stored terminal observation
+    differently from ``read_fills`` (a zero-filled row emitted as stored, a
+    NaN row kept), continuity or marks decided from another ``cont`` than
+    the stream ends', a fingerprint or last next observation not saved the
+    same way (a retry or the next call's continuity check going wrong), the
+    lost-row policy or the carry's counts applied differently, and a fast
+    path that is never taken (its equality then proves nothing).
+    """
+    rng = np.random.default_rng(seed)
+    restart_at = set()
+    if restarts and steps > 2:
+        restart_at = data.draw(st.sets(st.integers(1, steps - 1), max_size=2))
+    raw, _ = simulate(
+        rng,
+        n,
+        steps,
+        group=n if joint else None,
+        max_len=data.draw(st.integers(1, 6)),
+        zero_fill=zero_fill,
+        restart_at=restart_at,
+        mark_every=data.draw(st.integers(1, steps)) if marks else 0,
+    )
+    td = grid_td(raw, (n,), marks=marks)
+    if data.draw(st.booleans()):  # some zero-filled next observations NaN-filled instead
+        nxt = td.get(("next", "observation"))
+        filled = td.get(("next", "done")) & (nxt == 0)
+        nan = filled & torch.from_numpy(rng.random(filled.shape) < 0.5)
+        td.set(("next", "observation"), torch.where(nan, torch.nan, nxt))
+    calls = cut_in_time(data, td, steps)
+
+    def make():
+        return AutoresetFilter("next_step", joint_reset=joint, on_lost_terminal_obs=policy)
+
+    fast = _run(calls, make, fused=True)
+    _assert_same(fast, _run(calls, make, fused=False))
+    has_work = any(c["next", "done"].any() for c in calls)
+    assert fast[3] > 0 or not has_work, "the one-kernel path was never taken"
+
+
+@pytest.mark.parametrize("policy", ["drop", "nan"])
+def test_the_repair_keeps_lost_rows_on_the_one_kernel_path(policy):
+    """A repair plans with the one-kernel path too, and its batches come out
+    as on the kernel-per-fact path, lost rows kept and masked whatever
+    ``on_lost_terminal_obs`` says.
+
+    Bug caught: the one-kernel plan made with the filter's rules, which drop
+    lost rows under ``on_lost_terminal_obs='drop'``: the repair's mask and
+    next observations would differ from the general path's, or the
+    ``[E, T]`` batch lose rows.
+    """
+    raw, _ = simulate(np.random.default_rng(0), 2, 48, group=2, max_len=2)  # joint resets
+    td = grid_td(raw, (2,))
+    calls = [td[:, a : a + 12] for a in range(0, 48, 12)]
+
+    def make():
+        return RolloutRepair("next_step", joint_reset=True, on_lost_terminal_obs=policy)
+
+    fast = _run(calls, make, fused=True)
+    assert fast[3] > 0, "the one-kernel path was never taken"
+    assert fast[1]["terminal_obs_missing"] > 0, "no lost row: the test shows nothing"
+    _assert_same(fast, _run(calls, make, fused=False))
+
+
+def _cast(td, key, dtype):
+    td = td.clone()
+    td.set(key, td.get(key).to(dtype))
+    return td
+
+
+def test_a_structure_that_comes_back_is_checked_against_the_held_rows():
+    """Schema A, then schema B (another dtype of a non-observation leaf)
+    while nothing is held, holding rows of B, then schema A again (its
+    schema cached): refused, as the held rows are B's; after a flush, A is
+    taken.
+
+    Bug caught: the held rows compared with the batch only when its
+    structure is new (the cache skipping the check): rows of two dtypes
+    would be concatenated into one output key, or held rows silently cast.
+    """
+    first, second, third = (next_step_batch(2, 12, seed=s) for s in (1, 2, 3))
+    filt = AutoresetFilter("next_step", check_continuity=False)
+    filt.inv(first)  # schema A
+    if filt.stats["rows_held"]:
+        filt.flush()
+    b = _cast(second, "action", torch.float64)
+    filt.inv(b)  # schema B, cached; it may hold rows now
+    assert filt.stats["rows_held"], "the batch must end with a held row for this test"
+    state = filt.state_dict()
+    with pytest.raises(InputError, match=r"'action' changed its dtype between calls while rows"):
+        filt.inv(third)  # schema A again: cached, but the held rows are B's
+    _assert_same_state(filt.state_dict(), state, "state")
+    filt.flush()
+    assert filt.inv(third) is not None  # nothing held: A is taken
