@@ -237,6 +237,7 @@ class AutoresetFilter(OnlineCleaner, Transform):
             self._publish()
             write = None if rb is None else lambda rows: self._extend_bypassing(rb, rows)
             rows, self._engine = _publish.flush_copies(self._copies, self.options, write)
+            self._engine.many_producers = bool(self._in_ray_actor)
             return None if rb is not None else rows
         if rb is None:
             return self._engine.flush(on_lost_terminal_obs)
@@ -292,9 +293,9 @@ class AutoresetFilter(OnlineCleaner, Transform):
             check_late_attachment(rb, fresh and not is_storage_init(tensordict))
             self._buffer = None if rb is None else weakref.ref(rb)
             self._storage_checked = True  # once per process: a frame walk is not free
-        if self._in_ray_actor is None:
+        if self._in_ray_actor is None:  # where it runs: read once (after an unpickling too)
             self._in_ray_actor = in_ray_actor()
-        self._engine.many_producers = self._in_ray_actor  # also a cleaner a flush replaced
+            self._engine.many_producers = self._in_ray_actor
         if is_storage_init(tensordict):
             # Shaped as the filter's rows, so the storage is laid out for them;
             # TorchRL empties the buffer right after: nothing is counted or kept.
