@@ -295,7 +295,9 @@ class Rollouts:
             node = nested
             for part in k[:-1]:
                 node = node.setdefault(part, {})
-            node[k[-1]] = v.reshape(*batch, *v.shape[1:]).to(device or v.device)
+            v = v.reshape(*batch, *v.shape[1:])
+            # (moved only where it is elsewhere: to() costs even when it moves nothing)
+            node[k[-1]] = v if device is None or v.device == device else v.to(device)
         return new_tensordict(nested, batch, device)
 
     def _check_shape(self, td: TensorDictBase) -> None:
