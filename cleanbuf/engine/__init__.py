@@ -5,13 +5,16 @@ replaces only when it succeeds. The modules, in the order of the step:
 
 * ``_options``: the validated options; ``_errors``: the exceptions;
   ``_compat``: what torch and tensordict do not promise.
-* ``_kernels``: the numba kernels on plain arrays, and the named tuples
-  they take and give (``Rules``, ``Flags``, ``KernelResult``).
+* ``_kernels``: the numba kernels on plain arrays (``one_pass``: a call's
+  stream ends, stored next observations and plan in one call), and the
+  named tuples they take and give (``Rules``, ``Flags``, ``KernelResult``).
 * ``_state``: the carry state a cleaner keeps between calls, and its held
   rows.
 * ``_keys``: a batch's leaves, done flags, observation keys and final
   entries; ``_continuity``: its stream ends, checked against the state.
-* ``_read``: reading one call's batch into a checked ``Call``.
+* ``_read``: reading one call's batch into a checked ``Call``, with what
+  the batch's structure decides worked out and checked once per structure
+  (``Schema``).
 * ``_plan``: the plan of a call (the kernel, the released held rows, the
   lost-observation policy), from flags only.
 * ``_write``: the rows writer (the filter's flat rows); ``_rollout``: the
