@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDictBase
 
-from cleanbuf.online._compat import storage_leaf, storage_length, writer_slot
+from cleanbuf.online._compat import storage_leaf, storage_length, td_leaf, writer_slot
 
 # buffer -> the key its last write was probed on (the rows' keys rarely change)
 _PROBE_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -126,10 +126,10 @@ def record(rb: Any, slot: tuple[int, int], out: TensorDictBase) -> LastWrite | N
         key = _PROBE_KEYS.get(rb)
     except TypeError:  # a buffer that cannot be a weak dictionary key
         key = None
-    value = None if key is None else out.get(key, None)
+    value = None if key is None else td_leaf(out, key)
     if not isinstance(value, torch.Tensor):  # first call, or other keys
         key = _probe_key(out)
-        value = None if key is None else out.get(key)
+        value = None if key is None else td_leaf(out, key)
         if not isinstance(value, torch.Tensor):
             return None
         try:
