@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from cleanbuf.engine._errors import InputError
-from cleanbuf.engine._keys import FINAL_KEYS, may_be_observation
+from cleanbuf.engine._keys import DONE_KEYS, FINAL_KEYS, may_be_observation
 from cleanbuf.offline._formats import Dataset, Shape, done_of, read
 from cleanbuf.offline._joint import joint_rows
 from cleanbuf.offline._marker import env_if_fresh
@@ -576,7 +576,6 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
     return report, streams
 
 
-DONE_KEYS = (("next", "done"), ("next", "terminated"), ("next", "truncated"))
 MAX_LINKED = 4_000_000  # rows linked by content at most (a dict of their observations' bytes)
 
 

@@ -32,10 +32,10 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf.engine._errors import CleanbufError, CleanbufWarning, InputError
+from cleanbuf.engine._keys import DONE_KEYS
 from cleanbuf.offline._axes import check_layout, env_after_env, flatten, time_axis
 from cleanbuf.offline._compat import lay_out, storage_tensors
 from cleanbuf.offline._marker import (
-    DONE_KEYS,
     ENV_ARRAY,
     done_digest,
     env_if_fresh,
@@ -1156,10 +1156,11 @@ def done_of_rows(rows: TensorDictBase) -> np.ndarray:
 def done_of(keys: set, column: Any, n: int) -> np.ndarray:
     """Per row, done: ``("next", "done")`` if stored, else terminated | truncated.
 
+    The engine's rule (:data:`cleanbuf.engine._keys.DONE_KEYS`), on any columns.
+
     ``column(key)`` gives a key's ``[n, ...]`` values.
     """
-    present = [k for k in ((DONE_KEYS[0],) if DONE_KEYS[0] in keys else DONE_KEYS) if k in keys]
-    present += [k for k in (("next", "truncated"),) if k in keys and DONE_KEYS[0] not in keys]
+    present = [DONE_KEYS[0]] if DONE_KEYS[0] in keys else [k for k in DONE_KEYS[1:] if k in keys]
     out = np.zeros(n, bool)
     for k in present:
         out |= column(k).reshape(n, -1).astype(bool).any(1)

@@ -29,7 +29,6 @@ import numpy as np
 MARK_FILE = "cleanbuf.json"
 ENV_FILE = "cleanbuf_env.npy"
 ENV_ARRAY = "_cleanbuf/env"  # in a .npz or HDF5 file
-DONE_KEYS = (("next", "done"), ("next", "terminated"))  # the audit's, in its order
 
 
 def done_digest(done: np.ndarray) -> str:
