@@ -211,3 +211,24 @@ def test_a_structure_that_comes_back_is_checked_against_the_held_rows():
     _assert_same_state(filt.state_dict(), state, "state")
     filt.flush()
     assert filt.inv(third) is not None  # nothing held: A is taken
+
+
+def test_flags_of_another_kind_are_refused_as_before():
+    """A float ``("next", "truncated")`` beside a custom done key (so the
+    done flags' own checks never read it): refused, naming the key and the
+    dtype, at the first call with an episode end.
+
+    Bug caught: the one-kernel path handing the truncated flags to the
+    kernel unchecked, where a float flag reads as true wherever nonzero
+    and a [*batch, 2] flag is read half (the kernel-per-fact path refuses
+    both).
+    """
+    td = next_step_batch(2, 12, seed=1)
+    td.rename_key_(("next", "done"), ("next", "ended"))
+    td.set(("next", "truncated"), torch.zeros(2, 12, 1))
+    filt = AutoresetFilter("next_step", done_key=("next", "ended"))
+    assert td["next", "ended"].any()
+    with pytest.raises(
+        InputError, match=r"truncated key \('next', 'truncated'\) must be torch.bool"
+    ):
+        filt.inv(td)

@@ -601,7 +601,8 @@ class Schema:
         one_pass: a call of this structure can be read and planned in one
             kernel call (:meth:`Reader.read` with ``plan=True``): time-aligned
             full transitions of one observation key, whose reward, if
-            checked, is present.
+            checked, is present, and whose terminated and truncated flags,
+            if any, are one bool a row.
     """
 
     done: object
@@ -684,11 +685,14 @@ def build_schema(options: Options, layout: CallLayout, views: Views, batch_dims:
         group = opts.reset_group_size or layout.n_streams
     checks_reward = opts.check_reset_rows and opts.reward_key is not None
     fills = leaves[("next", *obs_keys[0])].dtype if not obs_only else None
+    flags = [leaves[k] for k in (("next", "terminated"), ("next", "truncated")) if k in leaves]
     one_pass = (
         ends
         and len(obs_keys) == 1
         and (not checks_reward or opts.mode != "next_step" or opts.reward_key in leaves)
         and fills not in (torch.float16, torch.bfloat16, torch.complex64, torch.complex128)
+        # (flags of another kind: the kernel-per-fact path's checks say what is wrong)
+        and all(f.dtype == torch.bool and f.shape[batch_dims:].numel() == 1 for f in flags)
     )
     return Schema(
         done, empty_entry, obs_keys, obs_only, obs_schema, final_of, final_mask, entry_keys,
