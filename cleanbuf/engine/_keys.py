@@ -184,11 +184,16 @@ class DoneSource(NamedTuple):
 
     def read(self, rows: Views) -> np.ndarray:
         """The done flags of ``rows``, checked against ``agree``."""
+        done = self.flags(rows)
+        if self.agree:
+            _check_done_agrees(done, rows, self.agree)
+        return done
+
+    def flags(self, rows: Views) -> np.ndarray:
+        """The done flags of ``rows``, unchecked (rows already read and checked once)."""
         done = read_flags(rows, self.keys[0])
         for key in self.keys[1:]:
             done = done | read_flags(rows, key)
-        if self.agree:
-            _check_done_agrees(done, rows, self.agree)
         return done
 
 

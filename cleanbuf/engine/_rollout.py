@@ -159,7 +159,7 @@ class Rollouts:
         new_held = take_rows(call.views, call.moved, hold) if len(hold) else {}
         cleaner.commit(call, plan, new_held)  # nothing raises from here on
         self._held = held
-        return self._emit(td, rows, hold=call.rules.hold_done, counts=counts)
+        return self._emit(td, rows, call.rules.hold_done, counts, call.structure.done)
 
     # ----------------------------------------------------------- the patches
     def _patch(self, call, plan, rows: _Rows) -> dict:
@@ -254,7 +254,7 @@ class Rollouts:
                 fill_rows(rows.views, key, marks, False)
 
     # ---------------------------------------------------------- the output
-    def _emit(self, td: TensorDictBase, rows: _Rows, hold: bool, counts: dict):
+    def _emit(self, td: TensorDictBase, rows: _Rows, hold: bool, counts: dict, done=None):
         """Commits the counts; returns held column + rows, the last column held."""
         self._shape = shape = tuple(td.batch_size[:-1])
         steps = td.batch_size[-1]
@@ -266,11 +266,11 @@ class Rollouts:
         s["rows_in"] += n_streams * td.batch_size[-1]
         for k, v in counts.items():
             s[k] += int(v)
-        self._count_out(out)
+        self._count_out(out, done)
         s["rows_held"] = 0 if new_held is None else len(new_held.kind)
         return self._as_batch(out, td.device, steps)
 
-    def _count_out(self, rows: _Rows) -> None:
+    def _count_out(self, rows: _Rows, done=None) -> None:
         """Counts the rows returned, by kind, and the episode ends among them.
 
         An episode end is a returned done row that is no reset row: a
@@ -278,7 +278,13 @@ class Rollouts:
         decided as no end is returned not done), as the filter counts it.
         """
         s, kind = self._stats, rows.kind
-        ends = done_flags(rows.views, self.options.done_key) & (kind != RESET)
+        # done: the call's DoneSource (its rows were read and checked), or None
+        flags = (
+            done_flags(rows.views, self.options.done_key)
+            if done is None
+            else done.flags(rows.views)
+        )
+        ends = flags & (kind != RESET)
         s["episodes_completed"] += int(np.count_nonzero(ends))
         s["rows_out"] += int(np.count_nonzero(kind == VALID))
         s["reset_rows_masked"] += int(np.count_nonzero(kind == RESET))
