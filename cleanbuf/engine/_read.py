@@ -858,8 +858,9 @@ class Reader:
 
         What :meth:`_read_ends` and the plan step do, with the stored next
         observations, for a call of a :attr:`Schema.one_pass` structure.
-        False (nothing read) where the rows have no numpy views (another
-        device, a dtype numpy lacks).
+        False (nothing kept) where the rows have no numpy views (another
+        device, a dtype numpy lacks) or, over several steps, no contiguous
+        ones (a slice of a larger batch).
 
         Raises:
             SameBatchAgain, ContinuityError: as :meth:`_read_ends`.
@@ -867,23 +868,29 @@ class Reader:
         opts, views, layout, schema = self.options, call.views, call.layout, call.structure
         steps, n = layout.steps, layout.n_rows
         key = schema.obs_keys[0]
-        obs, nxt, k_steps = row_words(views, key, ("next", *key), steps)
+        nk = ("next", *key)
+        term = views.get(("next", "terminated"), NONE)
+        trunc = views.get(("next", "truncated"), NONE)
+        rows = [views[key], views[nk], term, trunc]
+        if schema.exact:
+            rows.append(views[TRAJ_IDS])
+        if any(a is None for a in rows):
+            return False  # (checked first: on a GPU, reading the ends costs copies)
+        obs, nxt, k_steps = row_words(views, key, nk, steps)
         ids = _NO_WORDS
         if schema.exact:
             ids, _, id_steps = row_words(views, TRAJ_IDS, TRAJ_IDS, steps)
             k_steps = min(k_steps, id_steps)
+        if k_steps != steps:  # rows not contiguous: the ends were read as first and last rows
+            return False
         fills = _NO_FILLS
         stored = NONE
         if call.rules.reset_rows:
             if opts.terminal_obs_in_done_row:
                 stored = call.done
             else:
-                fills = views[("next", *key)]
+                fills = rows[1]
         reward = reward_rows(opts, views)
-        term = views.get(("next", "terminated"), NONE)
-        trunc = views.get(("next", "truncated"), NONE)
-        if k_steps != steps or fills is None or term is None or trunc is None:
-            return False
         if fills.dtype == np.bool_:
             fills = fills.view(np.uint8)
         fills = fills.reshape(n, -1) if len(fills) else fills
