@@ -17,7 +17,7 @@ its state:
   batch is refused as a skipped one;
 - unknown (another writer, a consuming buffer, a transform after the
   filter that changed the rows' keys): the cleaner's own rule stays
-  (:mod:`cleanbuf.engine._retry`).
+  (:meth:`cleanbuf.engine._cleaner.Cleaner._call_with_retry`).
 """
 
 from __future__ import annotations
