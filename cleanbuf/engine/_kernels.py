@@ -401,9 +401,9 @@ def stream_ends(  # noqa: PLR0913 - one pass over every end of a call
     One pass over ``2 * S`` rows of bytes, for the continuity check, the
     batch-end mark decisions and the retry fingerprint. The rows come as
     unsigned words of any width (uint8 to uint64): the caller views each
-    row's bytes as the widest word that divides them, which makes the
-    copies and comparisons 2 to 4 times faster than byte by byte
-    (``bench/README.md``, "Design measurements").
+    row's bytes as the widest word that divides them, which made this
+    kernel 1.8 times faster than byte by byte on 68-byte rows
+    (``bench/README.md``, "The one-pass read").
 
     Args:
         obs: uint[N, B], the rows' observations as words (time-last: row
