@@ -144,10 +144,11 @@ def test_the_repair_keeps_lost_rows_on_the_one_kernel_path(policy):
     as on the kernel-per-fact path, lost rows kept and masked whatever
     ``on_lost_terminal_obs`` says.
 
-    Bug caught: the one-kernel plan made with the filter's rules, which drop
-    lost rows under ``on_lost_terminal_obs='drop'``: the repair's mask and
-    next observations would differ from the general path's, or the
-    ``[E, T]`` batch lose rows.
+    Bug caught: the one-kernel plan made with other rules than the call's
+    (the filter's, which drop lost rows under
+    ``on_lost_terminal_obs='drop'``): the repair's mask and next
+    observations would differ from the kernel-per-fact path's. (That the
+    repair keeps lost rows at all is ``tests/test_rollout.py``'s.)
     """
     raw, _ = simulate(np.random.default_rng(0), 2, 48, group=2, max_len=2)  # joint resets
     td = grid_td(raw, (2,))

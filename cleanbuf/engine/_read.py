@@ -587,7 +587,6 @@ class Schema:
         obs_schema: observation key -> (dtype, feature shape).
         final_of: same-step mode: observation key -> its final-observation leaf.
         final_mask: the final-observation mask's key, or None.
-        entry_keys: the leaves the final-observation entry occupies.
         moved: the keys to store (None: every leaf, or per call where
             ``empty_entry``).
         rules: the planning kernel's mode flags.
@@ -612,7 +611,6 @@ class Schema:
     obs_schema: dict = dataclasses.field(default_factory=dict)
     final_of: dict = dataclasses.field(default_factory=dict)
     final_mask: tuple | None = None
-    entry_keys: frozenset = frozenset()
     moved: tuple | None = None
     rules: Rules | None = None
     marks: int = NO_MARKS
@@ -630,13 +628,9 @@ def structure(layout: CallLayout, leaves: dict, batch_dims: int) -> tuple:
     and reading them whole costs half); stream-key batches, whose row count
     changes from call to call, on the row shapes.
     """
-    if layout.kind != "stream_key":
-        return (layout.kind, batch_dims, tuple([(k, v.dtype, v.shape) for k, v in leaves.items()]))
-    return (
-        layout.kind,
-        batch_dims,
-        tuple([(k, v.dtype, v.shape[batch_dims:]) for k, v in leaves.items()]),
-    )
+    cut = batch_dims if layout.kind == "stream_key" else 0
+    leaf_keys = tuple([(k, v.dtype, v.shape[cut:]) for k, v in leaves.items()])
+    return layout.kind, batch_dims, leaf_keys
 
 
 def build_schema(options: Options, layout: CallLayout, views: Views, batch_dims: int) -> Schema:
@@ -662,13 +656,11 @@ def build_schema(options: Options, layout: CallLayout, views: Views, batch_dims:
             check_same_layout(leaves, k, ("next", *k))
     obs_schema = {k: (leaves[k].dtype, leaves[k].shape[batch_dims:]) for k in obs_keys}
     final_of, final_mask, moved = {}, None, None
-    entry_keys = frozenset()
     if opts.mode == "same_step":
         declared = opts.final_obs_key
         final_of, final_mask, entry = final_entries(leaves, declared, obs_keys, batch_dims)
-        entry_keys = frozenset(entry)
-        if entry_keys and not opts.keep_final_obs:
-            moved = tuple(k for k in leaves if k not in entry_keys)
+        if entry and not opts.keep_final_obs:
+            moved = tuple(k for k in leaves if k not in entry)
     rules = Rules.of(opts, obs_only, layout.kind)
     exact = TRAJ_IDS in leaves
     has_restart = (opts.is_init_key is not None and opts.is_init_key in leaves) or (
@@ -695,8 +687,8 @@ def build_schema(options: Options, layout: CallLayout, views: Views, batch_dims:
         and all(f.dtype == torch.bool and f.shape[batch_dims:].numel() == 1 for f in flags)
     )
     return Schema(
-        done, empty_entry, obs_keys, obs_only, obs_schema, final_of, final_mask, entry_keys,
-        moved, rules, marks, group, exact,
+        done, empty_entry, obs_keys, obs_only, obs_schema, final_of, final_mask, moved, rules,
+        marks, group, exact,
         has_is_init=opts.is_init_key in leaves,
         has_step_count=any(k in leaves for k in opts.step_count_keys),
         one_pass=bool(one_pass),
@@ -789,8 +781,9 @@ class Reader:
             plan: plan the call too where its structure allows one kernel
                 call for both (:attr:`Schema.one_pass`): the plan is then in
                 ``call.planned``.
-            keep_lost: plan rows whose next observation is lost as kept
-                whatever the options say (the repair masks them).
+            keep_lost: rules that keep the rows whose next observation is
+                lost, whatever ``on_lost_terminal_obs`` says (the repair masks
+                them): ``call.rules``, and the plan made with the read.
 
         Raises:
             InputError, LayoutError, ContinuityError: bad or discontinuous input.
@@ -806,12 +799,7 @@ class Reader:
         layout = self._layout(td, carry)
         leaves = batch_leaves(td)  # as stored; read as rows through views
         views = Views.of_batch(leaves, td.batch_dims, layout.n_rows)
-        key = structure(layout, leaves, td.batch_dims)
-        schema = self._schemas.get(key)
-        if schema is None:
-            schema = build_schema(opts, layout, views, td.batch_dims)
-            if len(self._schemas) < _CACHE_SIZE:
-                self._schemas[key] = schema
+        schema = self._schema(layout, views, td.batch_dims)
         call = Call(td.device, layout, views, schema.done.read(views), moved=leaves)
         if schema.empty_entry:
             call.moved = without_empty_final_entry(leaves, opts.final_obs_key)
@@ -838,6 +826,8 @@ class Reader:
         call.carry = carry.grown(layout.n_streams) if grow else carry
         call.restart = restart_rows(opts, views)
         call.rules = schema.rules
+        if keep_lost and call.rules.drop_lost:  # (the repair masks lost rows: it keeps them)
+            call.rules = call.rules._replace(drop_lost=False)
         call.structure = schema
         call.as_is = (
             not call.rules.successor
@@ -847,13 +837,21 @@ class Reader:
         # Planned with the read where there is a plan to make (a call with
         # nothing to clean passes through as it is).
         planned = plan and schema.one_pass and not call.as_is
-        if not (planned and self._one_pass(call, carry, before, keep_lost)):
+        if not (planned and self._one_pass(call, carry, before)):
             self._read_ends(call, carry, before)
         return call
 
-    def _one_pass(
-        self, call: Call, carry: Carry, before: Fingerprint | None, keep_lost: bool
-    ) -> bool:
+    def _schema(self, layout: CallLayout, views: Views, batch_dims: int) -> Schema:
+        """The schema of the batch's structure: cached, else built with every check."""
+        key = structure(layout, views.tensors, batch_dims)
+        schema = self._schemas.get(key)
+        if schema is None:
+            schema = build_schema(self.options, layout, views, batch_dims)
+            if len(self._schemas) < _CACHE_SIZE:
+                self._schemas[key] = schema
+        return schema
+
+    def _one_pass(self, call: Call, carry: Carry, before: Fingerprint | None) -> bool:
         """Reads the stream ends and plans the call in one kernel call (:func:`one_pass`).
 
         What :meth:`_read_ends` and the plan step do, with the stored next
@@ -908,7 +906,7 @@ class Reader:
             carry.last.open if checked else NONE, call.restart if checked else NONE,
             ids, words(fingerprint.get(TRAJ_IDS), ids.dtype), call.carry.per_stream,
             rules.reset_rows, rules.successor, rules.final, rules.stitch, rules.hold_done,
-            rules.drop_lost and not keep_lost,
+            rules.drop_lost,
         )  # fmt: skip
         first_k, last_k, cont, same, broken, first_ids = ends
         first = {key: first_k}

@@ -151,7 +151,6 @@ class Rollouts:
         rows = _copies(call.views, call.moved, n)
         if call.carry is None:  # disabled mode: nothing to repair
             return self._emit(td, rows, hold=False, counts={})
-        call.rules = call.rules._replace(drop_lost=False)
         plan = cleaner.plan(call)
         counts = self._patch(call, plan, rows)
         held = self._release(call, plan, counts)
