@@ -931,7 +931,7 @@ class Reader:
         layout = call.layout
         if call.obs_only or layout.kind == "stream_key":
             return
-        exact = TRAJ_IDS in call.views.tensors
+        exact = call.structure.exact
         ends = read_ends(
             call.views,
             call.obs_keys,
