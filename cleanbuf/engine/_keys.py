@@ -82,6 +82,56 @@ def batch_leaves(td: TensorDictBase) -> dict:
     return _plain(leaves)
 
 
+def batch_views(td: TensorDictBase, batch_dims: int, n_rows: int) -> Views | None:
+    """Every leaf of a plain ``TensorDict`` tree with its numpy rows, in one walk.
+
+    What :func:`batch_leaves` then :meth:`Views.of_batch` give, for the
+    common batch: a ``TensorDict`` tree of CPU tensors that numpy can view.
+    ``views.parts`` holds each leaf's key, dtype and shape (the batch's
+    structure, :func:`cleanbuf.engine._read.structure`). None for any other
+    batch (a lazy stack, a non-tensor leaf, a leaf on another device, one
+    that requires grad, a dtype numpy lacks): the caller then takes the
+    general path, which handles (or refuses) each of these.
+
+    Examples:
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict({"a": torch.zeros(2, 3, 4)}, batch_size=[2, 3])
+        >>> views = batch_views(td, 2, 6)
+        >>> views[("a",)].shape, views.parts[0][2]
+        ((6, 4), (2, 3, 4))
+        >>> batch_views(td.bfloat16(), 2, 6) is None
+        True
+    """
+    views = Views({}, batch_dims, n_rows)
+    parts: list = []
+    if not _walk_views(td, (), views, parts):
+        return None
+    views.parts = tuple(parts)
+    return views
+
+
+def _walk_views(td: TensorDictBase, prefix: tuple, views: Views, parts: list) -> bool:
+    """:func:`batch_views`'s walk: False where the batch needs the general path."""
+    children = tensordict_children(td) if type(td) is TensorDict else None
+    if children is None:
+        return False
+    tensors, rows, batch_dims = views.tensors, views._rows, views.batch_dims
+    for key, value in children.items():
+        if isinstance(value, torch.Tensor):
+            try:  # (raises for every leaf the general path must see)
+                a = value.numpy()
+            except (TypeError, RuntimeError):
+                return False
+            k = (*prefix, key)
+            shape = a.shape  # (a tuple: cheaper to slice than torch.Size, and equal)
+            tensors[k] = value
+            views[k] = a if batch_dims == 1 else a.reshape(rows + shape[batch_dims:])
+            parts.append((k, value.dtype, shape))
+        elif not _walk_views(value, (*prefix, key), views, parts):
+            return False
+    return True
+
+
 def _plain(leaves: dict) -> dict:
     """``leaves`` as data: without autograd history, and refused where there is no data.
 

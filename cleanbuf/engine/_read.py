@@ -88,6 +88,7 @@ from cleanbuf.engine._keys import (
     FINAL_KEYS,
     TRAJ_IDS,
     batch_leaves,
+    batch_views,
     check_same_layout,
     done_source,
     final_entries,
@@ -797,8 +798,10 @@ class Reader:
             )
         self.fingerprint = None
         layout = self._layout(td, carry)
-        leaves = batch_leaves(td)  # as stored; read as rows through views
-        views = Views.of_batch(leaves, td.batch_dims, layout.n_rows)
+        views = batch_views(td, td.batch_dims, layout.n_rows)
+        if views is None:  # (not a plain tree of CPU tensors numpy views)
+            views = Views.of_batch(batch_leaves(td), td.batch_dims, layout.n_rows)
+        leaves = views.tensors  # as stored; read as rows through views
         schema = self._schema(layout, views, td.batch_dims)
         call = Call(td.device, layout, views, schema.done.read(views), moved=leaves)
         if schema.empty_entry:
@@ -843,7 +846,10 @@ class Reader:
 
     def _schema(self, layout: CallLayout, views: Views, batch_dims: int) -> Schema:
         """The schema of the batch's structure: cached, else built with every check."""
-        key = structure(layout, views.tensors, batch_dims)
+        if views.parts is not None and layout.kind != "stream_key":
+            key = layout.kind, batch_dims, views.parts  # (structure(), read in the walk)
+        else:
+            key = structure(layout, views.tensors, batch_dims)
         schema = self._schemas.get(key)
         if schema is None:
             schema = build_schema(self.options, layout, views, batch_dims)

@@ -160,6 +160,7 @@ class Views(dict):
         self.n_rows = n_rows
         self._rows = (n_rows,)
         self._flat = tensors if batch_dims == 1 else {}
+        self.parts = None  # (key, dtype, shape) per leaf, where the walk read them
 
     @classmethod
     def of_batch(cls, tensors: dict, batch_dims: int, n_rows: int) -> Views:
