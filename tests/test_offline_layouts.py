@@ -282,7 +282,8 @@ def test_matrix(runs, fmt, layout, names, producer, pieces, tmp_path, monkeypatc
     rows that differ from the explicit-reset run (a wrong stitch, a stored
     terminal observation turned NaN, a real row dropped), the source's
     names lost in the copy, a cleaned copy that does not re-audit clean,
-    and, in many pieces, an output that keeps the first piece's rows only.
+    a rectangle's steps per env reported as 0, and, in many pieces, an
+    output that keeps the first piece's rows only.
     """
     if pieces == "many pieces":
         monkeypatch.setattr(_clean_files, "PIECE_BYTES", 1)
@@ -300,6 +301,8 @@ def test_matrix(runs, fmt, layout, names, producer, pieces, tmp_path, monkeypatc
     assert report.clean is not dirty and report.status == int(dirty), str(report)
     want_mode = {"same-step": "same_step", "clean": "disabled"}.get(producer, "next_step")
     assert report.mode == want_mode, str(report)
+    if layout != "flat" and fmt != "dump":  # a rectangle: its shape is the layout
+        assert (report.envs, report.steps) == (E, T), str(report)
     if not dirty:  # a clean of clean data, with defaults, is no error either
         assert report.command() is not None
         if isinstance(source, str):

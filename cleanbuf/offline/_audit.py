@@ -90,7 +90,7 @@ class Report:
         wrapped: the buffer wrapped around.
         env_stored: each row's env was read from the data (``cleanbuf
             clean`` stores it with its output), not recovered; ``steps`` is
-            then 0.
+            then 0 (a ``[T, E]`` array's is ``T``).
         layout_found: the env layout was recovered (else the rows were read
             as one stream).
         mode: the producer's auto-reset mode as the data shows it
@@ -273,7 +273,8 @@ class Report:
             if self.linked
             else f"  streams           {self.envs} envs (from the layout)"
             if self.layout != "flat" or self.shape.envs is not None
-            else f"  streams           {self.envs} envs, {self.steps} steps per env per write"
+            else f"  streams           {self.envs} envs, {self.steps} "
+            f"{'step' if self.steps == 1 else 'steps'} per env per write"
             if self.layout_found
             else "  streams           not recovered (rows of several envs in no order found); "
             "read as one stream",
@@ -551,7 +552,8 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
     reset_rows = totals.get("reset", 0) if mode == "next_step" else 0
     found = dict(
         envs=streams.envs,
-        steps=0 if env is not None else streams.steps,
+        # (a rectangle's steps from its shape; env ids read from flat rows tell none)
+        steps=streams.steps if env is None else n // streams.envs if aligned else 0,
         head=streams.head,
         layout_found=True,
         env_stored=env is not None and ds.layout == "flat" and ds.shape.envs is None,
