@@ -799,7 +799,7 @@ class Reader:
         self.fingerprint = None
         layout = self._layout(td, carry)
         views = batch_views(td, td.batch_dims, layout.n_rows)
-        if views is None:  # (not a plain tree of CPU tensors numpy views)
+        if views is None:  # (not a plain tree of CPU tensors that numpy can view)
             views = Views.of_batch(batch_leaves(td), td.batch_dims, layout.n_rows)
         leaves = views.tensors  # as stored; read as rows through views
         schema = self._schema(layout, views, td.batch_dims)
