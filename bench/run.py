@@ -750,8 +750,9 @@ def e2e_case(
 
 def repair_case(table: Table, rounds: int) -> None:
     """The repair against the filter on the same chained ``[4, 128]`` batches, each
-    called directly (no buffer on either side); each gets its own copies (the
-    repair writes into its batch).
+    called directly (no buffer on either side); each gets its own copies of the
+    windows, so that neither reads rows the other has just brought into cache
+    (the repair returns copies: it never writes into its batch).
     """
     count = rounds + 3
     windows = chained("mujoco", 0.02, 4, 128, count)
