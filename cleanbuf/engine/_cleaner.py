@@ -56,7 +56,7 @@ from cleanbuf.engine._kernels import (
     PENDING,
     WAITING,
 )
-from cleanbuf.engine._keys import TRAJ_IDS, done_flags, observation_keys
+from cleanbuf.engine._keys import TRAJ_IDS, Views, done_flags, observation_keys
 from cleanbuf.engine._options import LOST_POLICIES, Options
 from cleanbuf.engine._plan import Plan, lost_policy
 from cleanbuf.engine._plan import plan as plan_call
@@ -72,7 +72,6 @@ from cleanbuf.engine._read import (
 from cleanbuf.engine._state import Carry, kept_held, same_options
 from cleanbuf.engine._write import (
     BufferPool,
-    Views,
     as_td,
     fill_rows,
     fix_bookkeeping,

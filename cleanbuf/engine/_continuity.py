@@ -35,7 +35,8 @@ import torch
 
 from cleanbuf.engine._errors import ContinuityError, key_name
 from cleanbuf.engine._kernels import stream_ends
-from cleanbuf.engine._write import Views, index_tensor
+from cleanbuf.engine._keys import Views
+from cleanbuf.engine._write import index_tensor
 
 _NO_BYTES = np.zeros((0, 0), np.uint8)
 _NO_FLAGS = np.zeros(0, np.bool_)

@@ -1,7 +1,9 @@
 """Reading a batch: its leaves as flat rows, its done flags, its observation keys.
 
 Part of the read step (read -> plan -> write; :mod:`cleanbuf.engine._read`
-puts it together), and the observation-key rule the offline side shares.
+puts it together): :class:`Views` (a call's leaves read as flat rows, numpy
+views where they can be), the walk that reads them (:func:`batch_views`),
+and the observation-key rule the offline side shares.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
 from cleanbuf.engine._compat import tensordict_children
 from cleanbuf.engine._errors import InputError, key_name
-from cleanbuf.engine._write import Views
 
 NEXT = "next"
 # TorchRL's trajectory ids: one id per trajectory, from one pool shared by
@@ -23,6 +24,96 @@ TRAJ_IDS = ("collector", "traj_ids")
 DONE_KEYS = (("next", "done"), ("next", "terminated"), ("next", "truncated"))
 # Keys that live at the root and under "next" but are not observations.
 NOT_OBSERVATIONS = {"done", "terminated", "truncated", "reward", "is_init", "step_count"}
+
+
+def numpy_view(t: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of a CPU tensor, or None (other devices, dtypes numpy lacks).
+
+    Examples:
+        >>> numpy_view(torch.zeros(2)).tolist()
+        [0.0, 0.0]
+        >>> numpy_view(torch.zeros(2, dtype=torch.bfloat16)) is None
+        True
+    """
+    if not t.is_cpu or t.requires_grad:
+        return None
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError):  # bfloat16, float8, conjugate views, ...
+        return None
+
+
+class Views(dict):
+    """A call's tensors by key, read as rows: flat tensors and numpy views.
+
+    Each view is made once, on first use.
+
+    A batch ``[*B, ...]`` is read as rows ``[prod(B), ...]``. Flattening a
+    tensor costs about a microsecond, and so does ``Tensor.numpy()``; a call
+    reads some leaves several times (to move them, to patch them) and most
+    leaves only as numpy (small rows move with ``ndarray.take``), so each view is
+    made once, and a leaf read only as numpy is never flattened by torch.
+    ``views[key]`` is the numpy view of the rows (None where
+    :func:`numpy_view` gives none); :meth:`flat` is the tensor of rows.
+
+    Args:
+        tensors: key -> tensor, with ``batch_dims`` leading batch dimensions.
+        batch_dims: how many leading dimensions make up a row index.
+        n_rows: the product of those dimensions (read to shape the numpy
+            rows when ``batch_dims`` is not 1, and by
+            :func:`cleanbuf.engine._keys.done_flags`; 0 where neither happens).
+
+    Examples:
+        >>> views = Views({"a": torch.arange(6.0).reshape(2, 3)}, batch_dims=2, n_rows=6)
+        >>> views["a"].shape, views.flat("a").shape
+        ((6,), torch.Size([6]))
+        >>> views["a"] is views["a"]
+        True
+    """
+
+    def __init__(self, tensors: dict, batch_dims: int = 1, n_rows: int = 0):
+        super().__init__()
+        self.tensors = tensors
+        self.batch_dims = batch_dims
+        self.n_rows = n_rows
+        self._rows = (n_rows,)
+        self._flat = tensors if batch_dims == 1 else {}
+        self.parts = None  # (key, dtype, shape) per leaf, where the walk read them
+
+    @classmethod
+    def of_batch(cls, tensors: dict, batch_dims: int, n_rows: int) -> Views:
+        """The views of a call's leaves, every numpy view made at once.
+
+        A call reads every leaf as numpy (its flags, its stream ends, the
+        gathers): one loop here, instead of a lookup that misses per leaf.
+
+        Examples:
+            >>> views = Views.of_batch({"a": torch.zeros(2, 3)}, 2, 6)
+            >>> views["a"].shape
+            (6,)
+        """
+        views = cls(tensors, batch_dims, n_rows)
+        rows = views._rows
+        for key, t in tensors.items():
+            a = numpy_view(t)
+            if a is not None and batch_dims != 1:
+                a = a.reshape(rows + a.shape[batch_dims:])
+            views[key] = a
+        return views
+
+    def flat(self, key) -> torch.Tensor:
+        """``tensors[key]`` with its batch dimensions flattened (a view where possible)."""
+        x = self._flat.get(key)
+        if x is None:
+            x = self._flat[key] = self.tensors[key].flatten(0, self.batch_dims - 1)
+        return x
+
+    def __missing__(self, key):
+        a = numpy_view(self.tensors[key])
+        if a is not None and self.batch_dims != 1:
+            a = a.reshape(self._rows + a.shape[self.batch_dims :])
+        self[key] = a
+        return a
 
 
 def may_be_observation(key: tuple) -> bool:

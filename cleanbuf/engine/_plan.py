@@ -28,11 +28,10 @@ from cleanbuf.engine._kernels import (
     Selection,
     run_plan,
 )
-from cleanbuf.engine._keys import done_flags
+from cleanbuf.engine._keys import Views, done_flags
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._read import Call
 from cleanbuf.engine._state import Carry
-from cleanbuf.engine._write import Views
 
 
 def bad_reset_row(row: int, stream: int, done: bool) -> ResetRowError:

@@ -87,6 +87,7 @@ from cleanbuf.engine._kernels import (
 from cleanbuf.engine._keys import (
     FINAL_KEYS,
     TRAJ_IDS,
+    Views,
     batch_leaves,
     batch_views,
     check_same_layout,
@@ -99,7 +100,7 @@ from cleanbuf.engine._keys import (
 )
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._state import Carry
-from cleanbuf.engine._write import SMALL_ROW_BYTES, Views
+from cleanbuf.engine._write import SMALL_ROW_BYTES
 
 _OPTIONS = (
     "layout=None for TorchRL collector batches [*E, T] (time last) or a single "

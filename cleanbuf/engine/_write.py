@@ -1,10 +1,9 @@
-"""The rows writer: a call's leaves read as rows, and the output rows written.
+"""The rows writer: the output rows written.
 
 The last part of a call's step (read -> plan -> **write**, over a
 :class:`~cleanbuf.engine._state.Carry`): the filter's output form. Holds
-:class:`Views` (a call's leaves read as flat rows, numpy views where they
-can be), the gathers that move the kept rows into fresh tensors
-(:func:`move`), the patches written into those copies (next observations,
+the gathers that move the kept rows (read through the call's
+:class:`~cleanbuf.engine._keys.Views`) into fresh tensors (:func:`move`), the patches written into those copies (next observations,
 ``is_init``, step counts) and :class:`BufferPool`, which recycles the
 large output buffers. Nothing here decides anything: the plan says which
 rows, from where.
@@ -39,6 +38,7 @@ from tensordict import TensorDictBase
 
 from cleanbuf.engine._compat import new_tensordict, storage_use_count
 from cleanbuf.engine._kernels import RELEASED_LOST
+from cleanbuf.engine._keys import Views, numpy_view
 
 # Below this many bytes an allocation is cheap (no page faults): no pooling.
 MIN_POOLED_BYTES = 1 << 20
@@ -106,96 +106,6 @@ class BufferPool:
 
 # Rows up to this size on the CPU move with numpy's take (see above).
 SMALL_ROW_BYTES = 128
-
-
-def numpy_view(t: torch.Tensor) -> np.ndarray | None:
-    """A numpy view of a CPU tensor, or None (other devices, dtypes numpy lacks).
-
-    Examples:
-        >>> numpy_view(torch.zeros(2)).tolist()
-        [0.0, 0.0]
-        >>> numpy_view(torch.zeros(2, dtype=torch.bfloat16)) is None
-        True
-    """
-    if not t.is_cpu or t.requires_grad:
-        return None
-    try:
-        return t.numpy()
-    except (TypeError, RuntimeError):  # bfloat16, float8, conjugate views, ...
-        return None
-
-
-class Views(dict):
-    """A call's tensors by key, read as rows: flat tensors and numpy views.
-
-    Each view is made once, on first use.
-
-    A batch ``[*B, ...]`` is read as rows ``[prod(B), ...]``. Flattening a
-    tensor costs about a microsecond, and so does ``Tensor.numpy()``; a call
-    reads some leaves several times (to move them, to patch them) and most
-    leaves only as numpy (small rows move with ``ndarray.take``), so each view is
-    made once, and a leaf read only as numpy is never flattened by torch.
-    ``views[key]`` is the numpy view of the rows (None where
-    :func:`numpy_view` gives none); :meth:`flat` is the tensor of rows.
-
-    Args:
-        tensors: key -> tensor, with ``batch_dims`` leading batch dimensions.
-        batch_dims: how many leading dimensions make up a row index.
-        n_rows: the product of those dimensions (read to shape the numpy
-            rows when ``batch_dims`` is not 1, and by
-            :func:`cleanbuf.engine._keys.done_flags`; 0 where neither happens).
-
-    Examples:
-        >>> views = Views({"a": torch.arange(6.0).reshape(2, 3)}, batch_dims=2, n_rows=6)
-        >>> views["a"].shape, views.flat("a").shape
-        ((6,), torch.Size([6]))
-        >>> views["a"] is views["a"]
-        True
-    """
-
-    def __init__(self, tensors: dict, batch_dims: int = 1, n_rows: int = 0):
-        super().__init__()
-        self.tensors = tensors
-        self.batch_dims = batch_dims
-        self.n_rows = n_rows
-        self._rows = (n_rows,)
-        self._flat = tensors if batch_dims == 1 else {}
-        self.parts = None  # (key, dtype, shape) per leaf, where the walk read them
-
-    @classmethod
-    def of_batch(cls, tensors: dict, batch_dims: int, n_rows: int) -> Views:
-        """The views of a call's leaves, every numpy view made at once.
-
-        A call reads every leaf as numpy (its flags, its stream ends, the
-        gathers): one loop here, instead of a lookup that misses per leaf.
-
-        Examples:
-            >>> views = Views.of_batch({"a": torch.zeros(2, 3)}, 2, 6)
-            >>> views["a"].shape
-            (6,)
-        """
-        views = cls(tensors, batch_dims, n_rows)
-        rows = views._rows
-        for key, t in tensors.items():
-            a = numpy_view(t)
-            if a is not None and batch_dims != 1:
-                a = a.reshape(rows + a.shape[batch_dims:])
-            views[key] = a
-        return views
-
-    def flat(self, key) -> torch.Tensor:
-        """``tensors[key]`` with its batch dimensions flattened (a view where possible)."""
-        x = self._flat.get(key)
-        if x is None:
-            x = self._flat[key] = self.tensors[key].flatten(0, self.batch_dims - 1)
-        return x
-
-    def __missing__(self, key):
-        a = numpy_view(self.tensors[key])
-        if a is not None and self.batch_dims != 1:
-            a = a.reshape(self._rows + a.shape[self.batch_dims :])
-        self[key] = a
-        return a
 
 
 def index_tensor(index: np.ndarray, device=None) -> torch.Tensor:

@@ -25,9 +25,9 @@ from tensordict import TensorDictBase
 
 from cleanbuf.engine._cleaner import STAT_NAMES, Cleaner
 from cleanbuf.engine._errors import InputError
-from cleanbuf.engine._keys import DONE_KEYS, done_flags
+from cleanbuf.engine._keys import DONE_KEYS, Views, done_flags
 from cleanbuf.engine._options import Options
-from cleanbuf.engine._write import BufferPool, Views
+from cleanbuf.engine._write import BufferPool
 from cleanbuf.offline._audit import Report, analyse, stream_positions
 from cleanbuf.offline._compat import quiet_torchrl_log
 from cleanbuf.offline._formats import (
