@@ -11,6 +11,7 @@ streams of a producer that comes first.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tensordict import TensorDict
 
@@ -155,3 +156,33 @@ def test_an_id_of_an_ended_stream_does_not_take_another_producers_batch():
             ("b", _b_going_on((5, 2))),
         )
     )
+
+
+def test_a_single_producers_calls_never_enter_the_routing(monkeypatch):
+    """The same calls through a single-producer cleaner, with the routing
+    replaced by a function that fails. Bug caught: the routing (its
+    trajectory-id reads and candidate search) run on every call of a
+    single producer, whose batches carry trajectory ids too; also checks
+    that those calls clean as one producer's calls do, held rows included.
+    """
+    from cleanbuf.engine import _cleaner
+
+    calls = [
+        _a_rows((100, 200), 0, (5, 2), start=True, ends=False),
+        _a_rows((103, 203), 3, (5, 2), start=False, ends=True),
+    ]
+    want = Cleaner(OPTIONS)
+    want_rows = [want(b) for b in calls]
+
+    def no_routing(*args):
+        raise AssertionError("a single producer's call was routed")
+
+    monkeypatch.setattr(_cleaner, "route", no_routing)
+    alone = Cleaner(OPTIONS)
+    for batch, rows in zip(calls, want_rows):
+        assert_same_rows(alone(batch), rows)
+    assert_same_rows(alone.flush(), want.flush())
+    shared = Cleaner(OPTIONS)
+    shared.many_producers = True  # routed calls do reach the stub: the check can fail
+    with pytest.raises(AssertionError, match="routed"):
+        shared(calls[0])

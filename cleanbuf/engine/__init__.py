@@ -8,10 +8,12 @@ replaces only when it succeeds. The modules, in the order of the step:
 * ``_kernels``: the numba kernels on plain arrays (``one_pass``: a call's
   stream ends, stored next observations and plan in one call), and the
   named tuples they take and give (``Rules``, ``Flags``, ``KernelResult``).
-* ``_state``: the carry state a cleaner keeps between calls, and its held
-  rows.
-* ``_keys``: a batch's leaves, done flags, observation keys and final
-  entries; ``_continuity``: its stream ends, checked against the state.
+* ``_state``: the state a cleaner keeps between calls (``State``: the
+  carries and counters; ``Carry``: one producer's per-stream flags, which
+  it alone encodes, and its held rows).
+* ``_keys``: a batch's leaves read as rows (``Views``, one walk), done
+  flags, observation keys and final entries; ``_continuity``: its stream
+  ends, checked against the state.
 * ``_read``: reading one call's batch into a checked ``Call``, with what
   the batch's structure decides worked out and checked once per structure
   (``Schema``).
@@ -20,7 +22,11 @@ replaces only when it succeeds. The modules, in the order of the step:
 * ``_write``: the rows writer (the filter's flat rows); ``_rollout``: the
   rollout writer (the repair's ``[*E, T]`` batch).
 * ``_cleaner``: the stateful ``Cleaner`` that runs the step, call after
-  call, producer by producer, and goes back on a batch written again.
+  call, and commits it; flush and state dicts.
+* ``_retry``: a batch written again (its write into the buffer failed):
+  the undo of the last call; ``_routing``: batches of several producers,
+  each cleaned against its producer's carry. A single producer's call
+  never enters the routing.
 * ``_dicts``: dicts of arrays in and out, the one conversion the repair,
   ``clean`` and ``audit`` share.
 

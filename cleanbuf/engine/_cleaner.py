@@ -17,18 +17,17 @@ A call is one step over the producer's :class:`~cleanbuf.engine._state.Carry`
    the counters count it.
 
 Everything that raises does so before the commit, so a failed call changes
-nothing. Around a call, :meth:`Cleaner.__call__` picks the producer's carry
-(batches from several producers in turn, :meth:`Cleaner._clean_routed`)
-and goes back to before the last call when that call's batch comes again
-(a write into the buffer failed and the batch is written again,
-:meth:`Cleaner._call_with_retry`). :meth:`Cleaner.flush` releases the held
-rows at the end of collection.
+nothing. Around a call, and apart from it:
 
-Several producers. With ``producer_key`` (TorchRL's trajectory ids), or inside a Ray actor,
-the cleaner keeps one carry per producer: each worker of a
-``MultiAsyncCollector`` whose batches are extended from the parent, one
-worker's ``[E, T]`` batch at a time, or each Ray collector extending one
-Ray replay buffer.
+- :mod:`cleanbuf.engine._retry` goes back to before the last call when
+  that call's batch comes again (a write into the buffer failed and the
+  batch is written again);
+- :mod:`cleanbuf.engine._routing` picks the producer's carry, for batches
+  from several producers in turn (a single producer's call skips it);
+- :meth:`Cleaner.flush` releases the held rows at the end of collection.
+
+The whole state (carries and counters) is one
+:class:`~cleanbuf.engine._state.State`, ``cleaner.state``.
 """
 
 from __future__ import annotations
@@ -42,21 +41,11 @@ from tensordict import TensorDict, TensorDictBase
 from cleanbuf.engine._errors import (
     CleanbufError,
     ContinuityError,
-    InputError,
     LayoutError,
     ResetRowError,
     StateError,
 )
-from cleanbuf.engine._kernels import (
-    JOINT_MARK,
-    MARK,
-    MARKED,
-    MARKS_SEEN,
-    NEED_INIT,
-    PENDING,
-    WAITING,
-)
-from cleanbuf.engine._keys import TRAJ_IDS, Views, done_flags, observation_keys
+from cleanbuf.engine._keys import Views, done_flags, observation_keys
 from cleanbuf.engine._options import LOST_POLICIES, Options
 from cleanbuf.engine._plan import Plan, lost_policy
 from cleanbuf.engine._plan import plan as plan_call
@@ -64,12 +53,14 @@ from cleanbuf.engine._read import (
     Call,
     Fingerprint,
     Reader,
-    SameBatchAgain,
-    restart_rows,
+    fingerprint_of,
     stored_rows,
     time_first_hint,
+    with_fingerprint,
 )
-from cleanbuf.engine._state import Carry, kept_held, same_options
+from cleanbuf.engine._retry import Retry
+from cleanbuf.engine._routing import producer_key, route
+from cleanbuf.engine._state import Carry, State, kept_held, same_options
 from cleanbuf.engine._write import (
     BufferPool,
     as_td,
@@ -119,88 +110,107 @@ class Cleaner:
 
     def __init__(self, options: Options, pool: BufferPool | None = None):
         self.options = options
-        self._carry = Carry()
-        # With producer_key: one carry per producer (worker); self._carry is
-        # the one of the producer of the call in progress.
-        self._groups: list[Carry] = []
+        self.state = State(Carry(), [], dict.fromkeys(STAT_NAMES, 0))
         # Batches may come from several producers whose trajectory ids can
         # collide (Ray collectors, each with its own pool): told apart by
         # their ids and observations, a batch continuing none starts a new
-        # producer. Set by the filter inside a Ray actor.
+        # producer. Set once by the filter inside a Ray actor.
         self.many_producers = False
-        self._undo: Undo | None = None  # before the last call (see __call__)
-        self._stats = dict.fromkeys(STAT_NAMES, 0)
+        self._retry = Retry()  # the last call's undo (see __call__)
         self._pool = BufferPool() if pool is None else pool  # where large outputs go
         self._reader = Reader(options)
 
     @property
     def stats(self) -> dict:
         """A copy of the counters (see ``STAT_NAMES``), as plain Python ints."""
-        return {k: int(v) for k, v in self._stats.items()}
+        return {k: int(v) for k, v in self.state.stats.items()}
 
     def count(self, name: str) -> int:
         """One counter (see ``STAT_NAMES``), without copying them all."""
-        return self._stats[name]
+        return self.state.stats[name]
 
     # ------------------------------------------------------------ a call
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         """Cleans one call's batch; returns the rows to store, flat ``[M]``.
 
         A batch that comes again right after its call (its write into the
-        buffer failed, :meth:`_call_with_retry`) is cleaned as if that
-        call had not happened: the rows it released come again.
+        buffer failed, :class:`~cleanbuf.engine._retry.Retry`) is cleaned as
+        if that call had not happened: the rows it released come again.
         """
         if self.options.layout == "time_first" and isinstance(td, TensorDictBase):
             td = time_last(td)
         if isinstance(td, TensorDictBase) and td.batch_dims and td.batch_size[-1] == 0:
             # No row ([E, 0], or no env of a step): nothing to clean, nothing changes.
             return TensorDict({}, batch_size=[0], device=td.device)
-        return self._call_with_retry(td)
+        return self._retry.call(self, td)
 
-    @property
-    def _fingerprint(self):
-        """The fingerprint of the call read last (see :meth:`_call_with_retry`)."""
-        return self._reader.fingerprint
+    def step(
+        self, td: TensorDictBase, before: Fingerprint | None
+    ) -> tuple[TensorDictBase, Fingerprint | None]:
+        """Cleans one batch against the carry of its producer; raises having changed nothing.
 
-    def _call_once(self, td: TensorDictBase) -> TensorDictBase:
-        """:meth:`_clean` against the carry of the batch's producer (``_groups``)."""
+        Args:
+            td: the batch.
+            before: the last call's fingerprint (a batch written again).
+
+        Returns:
+            The rows to store and the call's fingerprint (None where the
+            call reads no stream ends). An error carries the fingerprint
+            too, where the call read it (:func:`~cleanbuf.engine._read.fingerprint_of`).
+        """
         key = producer_key(self.options, self.many_producers, td)
         try:
             if key is None:
-                return self._clean(td)
-            return self._clean_routed(td, key)
+                return self.clean(td, before)
+            return route(self, td, key, before)
         except (LayoutError, ResetRowError, ContinuityError) as err:
             hint = time_first_hint(td, self.options)
             if not hint:
                 raise
-            raise type(err)(f"{hint} {err}") from None
+            raise with_fingerprint(type(err)(f"{hint} {err}"), fingerprint_of(err)) from None
 
-    def _clean(self, td: TensorDictBase) -> TensorDictBase:
-        """Cleans one batch against ``self._carry``; commits only on success."""
-        call = self.read(td, plan=True)
-        if call.as_is:
-            return self._pass_through(call)
-        plan = self.plan(call)
-        out, new_held = self._move(call, plan)
-        self._patch(call, plan, out, new_held)
+    def clean(
+        self, td: TensorDictBase, before: Fingerprint | None = None
+    ) -> tuple[TensorDictBase, Fingerprint | None]:
+        """Cleans one batch against ``state.carry``; commits only on success.
+
+        Returns what :meth:`step` returns.
+        """
+        call = self.read(td, plan=True, before=before)
+        try:
+            if call.as_is:
+                return self._pass_through(call), call.fingerprint
+            plan = self.plan(call)
+            out, new_held = self._move(call, plan)
+            self._patch(call, plan, out, new_held)
+        except CleanbufError as err:
+            with_fingerprint(err, call.fingerprint)
+            raise
         self.commit(call, plan, new_held)
-        return as_td(out.tensors, plan.release.n + len(plan.sel.emit), call.device)
+        n = plan.release.n + len(plan.sel.emit)
+        return as_td(out.tensors, n, call.device), call.fingerprint
 
     # ------------------------------------------------------ 1. read and check
     @property
     def carry(self) -> Carry:
         """The carry state of the producer of the last call (read it; never write it)."""
-        return self._carry
+        return self.state.carry
 
-    def read(self, td: TensorDictBase, plan: bool = False, keep_lost: bool = False) -> Call:
+    def read(
+        self,
+        td: TensorDictBase,
+        plan: bool = False,
+        keep_lost: bool = False,
+        before: Fingerprint | None = None,
+    ) -> Call:
         """Reads and checks a batch (:class:`cleanbuf.engine._read.Reader`); changes nothing.
 
         With ``plan``, a call whose structure allows it is planned in the
         same kernel call (``call.planned``, which :meth:`plan` then uses),
         with ``keep_lost`` keeping the rows whose next observation is lost.
+        ``before`` is the last call's fingerprint (a batch written again).
         """
-        before = self._undo.fingerprint if self._undo is not None else None
-        return self._reader.read(td, self._carry, before, plan, keep_lost)
+        return self._reader.read(td, self.state.carry, before, plan, keep_lost)
 
     def _pass_through(self, call: Call) -> TensorDictBase:
         """Every row as it came, as views of the batch.
@@ -211,17 +221,15 @@ class Cleaner:
         if carry is not None:
             # A pending is_init fix can only be left here if the rows have no
             # is_init: it is moot, forget it.
-            if np.count_nonzero(carry.per_stream[NEED_INIT]):
-                carry.per_stream = carry.per_stream.copy()
-                carry.per_stream[NEED_INIT] = 0
+            carry.forget_pending_init()
             if call.ends is not None:
                 carry.last = call.ends.last
             carry.obs_schema = call.schema
-            self._carry = carry
+            self.state.carry = carry
             self._commit_layout(layout)
-        self._stats["rows_in"] += layout.n_rows
-        self._stats["rows_out"] += layout.n_rows
-        self._stats["episodes_completed"] += int(np.count_nonzero(call.done))
+        self.state.stats["rows_in"] += layout.n_rows
+        self.state.stats["rows_out"] += layout.n_rows
+        self.state.stats["episodes_completed"] += int(np.count_nonzero(call.done))
         views = call.views
         if views.batch_dims == 1:  # already rows: the batch's own leaves
             return as_td(call.moved, layout.n_rows, call.device)
@@ -296,11 +304,11 @@ class Cleaner:
             carry.held_schema = call.structure  # (read checked the old ones against it)
             new_streams = call.layout.stream_of(sel.hold)
             carry.held_stream = np.concatenate([carry.held_stream[kept_old], new_streams])
-        self._carry = carry
+        self.state.carry = carry
         self._commit_layout(call.layout)
         n_lost = plan.n_lost + plan.n_next_lost
         restitched = len(sel.stitched) + release.n_stitched + len(sel.final)
-        s = self._stats
+        s = self.state.stats
         s["rows_in"] += call.layout.n_rows
         s["rows_out"] += release.n + len(sel.emit)
         s["reset_rows_dropped"] += plan.n_drop
@@ -338,7 +346,7 @@ class Cleaner:
             >>> out["observation"].flatten().tolist(), out["step_count"].flatten().tolist()
             ([0.0], [0])
         """
-        carry = self._carry
+        carry = self.state.carry
         known = np.zeros(0, np.int64) if carry.stream_ids is None else carry.stream_ids
         ids = np.asarray(stream_ids, np.int64)
         if self.options.layout != "stream_key" or np.isin(ids, known).any():
@@ -347,12 +355,10 @@ class Cleaner:
                 f"first rows; got layout={self.options.layout!r}, stream ids {ids.tolist()} "
                 f"(known: {known.tolist()})."
             )
-        carry = carry.grown(len(known) + len(ids))
-        carry.per_stream = carry.per_stream.copy()
-        carry.per_stream[PENDING, len(known) :] = 1
+        carry = carry.expect_resets(len(ids))
         carry.stream_ids = np.concatenate([known, ids])
         carry.layout_kind, carry.stream_shape = "stream_key", (len(known) + len(ids),)
-        self._carry = carry
+        self.state.carry = carry
 
     def last_call_stored(self) -> None:
         """Says that the last call's rows were stored.
@@ -361,8 +367,7 @@ class Cleaner:
         :class:`~cleanbuf.ContinuityError`), never taken for a retry of a
         failed write.
         """
-        if self._undo is not None:
-            self._undo.stored = True
+        self._retry.stored()
 
     def undo_last_call(self) -> bool:
         """Goes back to before the last call, whose rows never reached the buffer.
@@ -370,11 +375,7 @@ class Cleaner:
         The rows that call released are held again, its counters undone.
         Returns whether there was a call to undo.
         """
-        if self._undo is None or self._undo.stored:
-            return False
-        last, self._undo = self._undo, None
-        self._restore(last)
-        return True
+        return self._retry.undo(self)
 
     def flush(self, on_lost_terminal_obs: str | None = None) -> TensorDictBase:
         """Returns the held rows (flat ``[H]``) and forgets them.
@@ -391,7 +392,7 @@ class Cleaner:
         flush is still recognised and dropped. With several producers, every
         producer's held rows, producer after producer.
         """
-        self._undo = None  # a flush is no call to repeat
+        self._retry.forget()  # a flush is no call to repeat
         options = self.options
         if on_lost_terminal_obs is not None:
             if on_lost_terminal_obs not in LOST_POLICIES:
@@ -400,16 +401,17 @@ class Cleaner:
                     f"{LOST_POLICIES}. Nothing was flushed."
                 )
             options = dataclasses.replace(options, on_lost_terminal_obs=on_lost_terminal_obs)
-        carries = self._groups or [self._carry]
-        outs = [flush_carry(options, carry, self._stats) for carry in carries]
+        carries = self.state.producers or [self.state.carry]
+        outs = [flush_carry(options, carry, self.state.stats) for carry in carries]
         outs = [o for o in outs if o.batch_size[0]]
         return torch.cat(outs) if outs else TensorDict({}, batch_size=[0])
 
     def state_dict(self) -> dict:
         """The carry state, counters and options, as tensors and plain Python values."""
-        state = {**self._carry.state_dict(), "stats": self.stats, "options": self.options.as_dict()}
-        if self._groups:
-            state["producers"] = [c.state_dict() for c in self._groups]
+        carry, producers = self.state.carry, self.state.producers
+        state = {**carry.state_dict(), "stats": self.stats, "options": self.options.as_dict()}
+        if producers:
+            state["producers"] = [c.state_dict() for c in producers]
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -439,135 +441,12 @@ class Cleaner:
             )
         groups = [Carry.from_state_dict(g) for g in producers]
         stats = _checked_stats(state.get("stats"), groups or [carry])
-        self._carry, self._groups, self._undo = carry, groups, None
-        self._stats = dict.fromkeys(STAT_NAMES, 0) | stats
-
-    # ------------------------------------------------ a batch written again
-    def _snapshot(self) -> Undo:
-        """What this cleaner is now (to go back to it).
-
-        A call replaces its carries or their fields and never writes into
-        them, so shallow copies do.
-        """
-        return Undo(self._carry.snapshot(), [g.snapshot() for g in self._groups], dict(self._stats))
-
-    def _restore(self, undo: Undo) -> None:
-        """Puts this cleaner back as it was at :meth:`_snapshot`."""
-        self._carry, self._groups, self._stats = undo.carry, undo.groups, undo.stats
-
-    def _call_with_retry(self, td: TensorDictBase) -> TensorDictBase:
-        """:meth:`_call_once`, going back first if ``td`` is the last call's batch.
-
-        A replay buffer runs the filter, then writes what the filter
-        returned. If that write fails, the held rows the call released and
-        its flags belong to rows that never reached the buffer: a user who
-        writes the same batch again gets those rows again. The read step
-        raises :class:`~cleanbuf.engine._read.SameBatchAgain` when the rows'
-        fingerprint (with trajectory ids) says so; a call that fails
-        otherwise is retried from before the last call when its fingerprint
-        matches that call's. A call that fails leaves the cleaner as it was.
-        """
-        undo = self._snapshot()
-        try:
-            out = self._call_once(td)
-        except (SameBatchAgain, CleanbufError) as err:
-            fingerprint = self._fingerprint
-            again = self._undo is not None and (
-                isinstance(err, SameBatchAgain) or (fingerprint is not None and fingerprint.again)
-            )
-            if not again:
-                raise
-            if self._undo.stored:
-                self._refuse_stored_again(td, undo, err)
-            last, self._undo = self._undo, None
-            self._restore(last)
-            retry = self._snapshot()
-            try:
-                out = self._call_once(td)
-            except CleanbufError:
-                self._restore(undo)  # as before this call, which changes nothing
-                self._undo = last
-                if isinstance(err, SameBatchAgain):
-                    raise
-                raise err from None
-            undo = retry
-        undo.fingerprint = self._fingerprint
-        self._undo = undo
-        return out
-
-    def _refuse_stored_again(self, td: TensorDictBase, undo: Undo, err: Exception) -> None:
-        """Raises for a call that looks like the last one again, whose rows were stored.
-
-        The first rows alone may match another batch (a fresh start of every
-        stream looks the same each time): it is the same batch if it cleans
-        from where the last call started. Either way the cleaner is left as
-        it was.
-        """
-        last, self._undo = self._undo, None
-        self._restore(last)
-        try:
-            self._call_once(td)
-        except (SameBatchAgain, CleanbufError):
-            same = False
-        else:
-            same = True
-        self._restore(undo)
-        self._undo = last
-        if same:
-            raise written_twice() from None
-        if isinstance(err, SameBatchAgain):
-            raise written_twice() from None
-        raise err
-
-    # ------------------------------------------------- several producers
-    def _clean_routed(self, td: TensorDictBase, key: tuple) -> TensorDictBase:
-        """:meth:`_clean` against the carry of the batch's producer.
-
-        With several producers, the batch goes to the first producer it
-        continues (:func:`candidates`); :meth:`_clean` changes nothing when
-        it refuses one. When the producers draw trajectory ids from one pool
-        (``producer_key``), a batch sharing ids with producers it does not
-        continue is refused (a skipped or repeated batch); when they may
-        share ids (``many_producers``), it starts a new one.
-        """
-        groups = self._groups
-        first, last = trajectory_ends(td, key)
-        restarts = None
-        if self.many_producers and self.options.producer_key is None:
-            restarts = first_restarts(td, self.options)  # pools of their own: ids shared by chance
-        matching, others = candidates(groups, first, restarts)
-        refused = None
-        for group in matching:
-            try:
-                out = self._clean_as(group, td)
-                break
-            except ContinuityError as err:
-                refused = refused or err
-        else:
-            if refused is not None and not self.many_producers:
-                raise refused
-            for group in others:  # the last, a new producer, refuses nothing
-                try:
-                    out = self._clean_as(group, td)
-                    break
-                except ContinuityError:
-                    continue  # an id it shares by chance: its open streams say no
-        self._carry.traj_ids = last
-        if group == len(groups):
-            groups.append(self._carry)
-        groups[group] = self._carry
-        self._stats["rows_held"] = sum(len(c.held_stream) for c in groups)
-        return out
-
-    def _clean_as(self, group: int, td: TensorDictBase) -> TensorDictBase:
-        """:meth:`_clean` against producer ``group``'s carry (a new one past the last)."""
-        groups = self._groups
-        self._carry = groups[group] if group < len(groups) else Carry()
-        return self._clean(td)  # commits into self._carry, or raises having changed nothing
+        self.state = State(carry, groups, dict.fromkeys(STAT_NAMES, 0) | stats)
+        self._retry.forget()
 
     # ----------------------------------------------------------- helpers
     def _commit_layout(self, layout) -> None:
-        c = self._carry
+        c = self.state.carry
         if layout.kind == "stream_key":
             old = c.stream_ids if c.stream_ids is not None else np.zeros(0, np.int64)
             c.stream_ids = np.concatenate([old, layout.new_stream_ids])
@@ -594,150 +473,6 @@ def _checked_stats(stats, carries: list) -> dict:
             f"{stats.get('rows_held')!r}. {fix}"
         )
     return {k: int(v) for k, v in stats.items()}
-
-
-@dataclasses.dataclass
-class Undo:
-    """What a cleaner was before a call, and that call's fingerprint."""
-
-    carry: object
-    groups: list
-    stats: dict
-    fingerprint: Fingerprint | None = None
-    stored: bool = False  # the call's rows reached the buffer: the batch again is a duplicate
-
-
-def written_twice() -> ContinuityError:
-    """The error for a batch that comes again after its rows were stored."""
-    return ContinuityError(
-        "this batch is the one the last call cleaned (the same first row in every stream), "
-        "and that call's rows were stored: it was written twice. Expected the next batch of "
-        "each stream, got the last one again. Write each batch once (a batch whose write "
-        "into the buffer failed may be written again; this one's write succeeded). Nothing "
-        "was written."
-    )
-
-
-def trajectory_ends(td: TensorDictBase, key: tuple) -> tuple[np.ndarray, np.ndarray]:
-    """The trajectory ids of the first and of the last row of each stream.
-
-    Raises:
-        InputError: the batch is not ``[*E, T]`` or has no such key.
-    """
-    ids = td.get(key, None) if td.batch_dims >= 2 else None  # get: see Cleaner._producer_key
-    if ids is None:
-        raise InputError(
-            f"producer_key={key!r} needs [*E, T] batches holding that key (TorchRL's "
-            f"trajectory ids); got batch_size={list(td.batch_size)} and keys "
-            f"{sorted(td.keys(True, True), key=str)}. Extend the buffer with the "
-            "collector's batches as they come."
-        )
-    ids = ids.reshape(*td.batch_size).reshape(-1, td.batch_size[-1])
-    return ids[:, 0].cpu().numpy(), ids[:, -1].cpu().numpy()
-
-
-def first_restarts(td: TensorDictBase, options: Options) -> np.ndarray | None:
-    """Per stream, whether the batch's first row starts an episode after a real reset.
-
-    :func:`cleanbuf.engine._read.restart_rows` of each stream's first row; None
-    when the batch says nothing of resets. ``td`` is ``[*E, T]``.
-    """
-    dim = td.batch_dims - 1  # time
-    first = {}
-    for key in (options.is_init_key, options.step_count_key):
-        value = td.get(key, None) if key is not None else None  # (a lazy stack: get, not keys)
-        if value is not None:
-            first[key] = value.select(dim, 0)
-    restart = restart_rows(options, Views(first, dim, int(np.prod(td.batch_size[:-1]))))
-    return restart if len(restart) else None
-
-
-def candidates(
-    groups: list[Carry], first_ids: np.ndarray, restarts: np.ndarray | None = None
-) -> tuple[list[int], list[int]]:
-    """The producers a batch may continue, most likely first.
-
-    Within a producer, a stream keeps its trajectory id until its episode
-    ends, and a new episode takes an id above every id the producer gave
-    before. A producer's batch therefore has, on each stream, the id of the
-    stream's last row, or (the stream ended at the batch boundary) a larger
-    id than any of its last rows. When the producers draw ids from one pool
-    (a multi-process collector's workers do), a shared id names the
-    producer; producers with pools of their own (each Ray collector has one)
-    can share ids, so the observations decide among the candidates (the
-    cleaner's continuity check). A batch whose every stream ended at the
-    boundary shares no id: the producers it is consistent with come next,
-    the one whose ids are closest below the batch's first, then any
-    producer with nothing held, pending or open, and a new one.
-
-    ``restarts`` (producers with pools of their own) says which streams
-    start an episode after a real reset in the batch's first row. Such an
-    episode has a new id, so a producer whose last id it repeats shares it
-    by chance: it comes after the producers the batch is consistent with
-    (its continuity check would pass, a restart continuing anything).
-
-    An episode's end changes its id too (a collector's batch-end mark
-    aside), so a producer sharing the batch's ids only on streams that
-    ended comes after one sharing them on open streams.
-
-    Returns:
-        ``(matching, others)``: the consistent producers sharing an id with
-        the batch on an open stream, then those sharing one only on ended
-        streams; then the other consistent ones, those sharing an id by
-        chance, the blank ones and ``len(groups)`` (a new producer).
-
-    Examples:
-        >>> a, b = Carry(traj_ids=np.array([3, 4])), Carry(traj_ids=np.array([5, 6]))
-        >>> candidates([a, b], np.array([7, 6]))  # stream 1 continues trajectory 6
-        ([1], [0, 2])
-        >>> candidates([a, b], np.array([3, 6]))  # 6 > 4, but 3 < 6: a (b, blank, as new)
-        ([0], [1, 2])
-        >>> candidates([a, b], np.array([8, 9]))  # every stream restarted: closest first
-        ([], [1, 0, 2])
-        >>> candidates([], np.array([8, 9]))  # the first producer
-        ([], [0])
-        >>> candidates([a, b], np.array([5, 6]), restarts=np.array([True, True]))
-        ([], [0, 1, 2])
-    """
-    matching, ended, restarted, by_chance = [], [], [], []
-    for g, carry in enumerate(groups):
-        last = carry.traj_ids
-        if len(last) != len(first_ids):
-            continue
-        same = last == first_ids
-        if not np.all(same | (first_ids > last.max())):
-            continue
-        open_ = carry.last.open
-        if len(open_) != len(same):
-            open_ = np.zeros(len(same), np.bool_)
-        if np.any(open_ & ~same):
-            continue  # an open stream keeps its id
-        if restarts is not None and np.any(same & restarts):
-            by_chance.append(g)
-        elif np.any(same & open_):
-            matching.append(g)
-        elif same.any():  # only on ended streams (continuity cannot refuse those)
-            ended.append(g)
-        else:
-            restarted.append((int(first_ids.min() - last.max()), g))
-    matching += ended
-    blank = [g for g, carry in enumerate(groups) if carry.is_blank()]
-    others = [g for _, g in sorted(restarted)] + by_chance
-    others += [g for g in blank if g not in others and g not in matching]
-    return matching, [*others, len(groups)]
-
-
-def producer_key(options: Options, many_producers: bool, td: TensorDictBase) -> tuple | None:
-    """The key that tells the batch's producer, or None for one producer."""
-    key = options.producer_key
-    if key is not None or not many_producers:
-        return key
-    if options.layout in (None, "time_last") and td.batch_dims >= 2:
-        # get, not keys(): a LazyStackedTensorDict (a batch Ray carried)
-        # does not list its nested keys as containing them.
-        if td.get(TRAJ_IDS, None) is not None:
-            return TRAJ_IDS
-    return None
 
 
 def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
@@ -773,9 +508,8 @@ def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
     # the stream turned out to be one), maybe no episode end at all: its
     # next observation is missing. Else a real end, whose terminal
     # observation was zero-filled: lost.
-    flags = carry.per_stream[MARKED][carry.held_stream]
-    marked = (flags & (MARK | JOINT_MARK)) != 0
-    done = done & ~(marked & ((flags & MARKS_SEEN) != 0))
+    marked, marks_seen = carry.held_marks()
+    done = done & ~(marked & marks_seen)
     n_terminal = int((missing & done).sum())
     n_next = int((missing & ~done).sum())
     policy = lost_policy(options, obs_keys, rows, n_terminal + n_next, False)
@@ -789,9 +523,7 @@ def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
     if len(keep) < n_held:
         idx = torch.from_numpy(keep)
         rows = {k: v.index_select(0, idx.to(v.device)) for k, v in rows.items()}
-    per_stream = carry.per_stream.copy()
-    per_stream[WAITING] = 0
-    carry.held, carry.held_stream, carry.per_stream = {}, np.zeros(0, np.int64), per_stream
+    carry.flushed()
     stats["rows_out"] += len(keep)
     stats["terminal_obs_missing"] += n_terminal
     stats["next_obs_missing"] += n_next

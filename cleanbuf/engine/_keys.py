@@ -136,7 +136,7 @@ def may_be_observation(key: tuple) -> bool:
 def batch_leaves(td: TensorDictBase) -> dict:
     """Returns every tensor leaf of ``td``, as stored: ``[*batch, *feature]``.
 
-    The leaves are not flattened into rows here: :class:`cleanbuf.engine._write.Views`
+    The leaves are not flattened into rows here: :class:`Views`
     does that on first use, and only for the leaves that need it.
 
     Args:

@@ -32,7 +32,9 @@ already moved on: the held rows it released in that call, and its flags,
 belong to rows that never reached the buffer. A user who writes the same
 batch again gets those rows again: the cleaner keeps what it was before its
 last call, and when a call brings that call's batch again it goes back to
-it first (:meth:`cleanbuf.engine._cleaner.Cleaner._call_with_retry`).
+it first (:mod:`cleanbuf.engine._retry`). The fingerprint travels with the
+call (``call.fingerprint``), and with the error of a call that fails
+(:func:`fingerprint_of`).
 
 The batch is recognised by the first row of each stream: its observation,
 and its trajectory id where the rows have TorchRL's
@@ -40,7 +42,7 @@ and its trajectory id where the rows have TorchRL's
 :func:`cleanbuf.engine._continuity.read_ends`). With trajectory ids it is
 checked on every call. Where the filter sees that the last call's rows
 reached the buffer
-(:meth:`cleanbuf.engine._cleaner.Cleaner.last_call_stored`), the same batch
+(:meth:`cleanbuf.engine._retry.Retry.stored`), the same batch
 again is a duplicate and raises :class:`~cleanbuf.ContinuityError`. An
 id alone is not enough: a stream keeps its id for a whole episode, so two
 batches in a row start with the same ids whenever
@@ -66,19 +68,16 @@ from tensordict import TensorDictBase
 
 from cleanbuf.engine._continuity import CallEnds, LastRows, check, read_ends, row_words, words
 from cleanbuf.engine._errors import (
+    ContinuityError,
     InputError,
     LayoutError,
     key_name,
 )
 from cleanbuf.engine._kernels import (
     ANY_MARKS,
-    NEED_INIT,
     NO_MARKS,
     NO_ROWS,
-    PENDING,
-    SHIFT,
     UNSTORED_MARKS,
-    WAITING,
     Flags,
     Rules,
     one_pass,
@@ -543,6 +542,22 @@ class SameBatchAgain(Exception):
     """Raised inside the cleaner when a call brings the last call's batch again."""
 
 
+def with_fingerprint(err: Exception, fingerprint: Fingerprint | None) -> Exception:
+    """``err``, carrying the fingerprint of the call that raised it (see :func:`fingerprint_of`).
+
+    The retry rule (:mod:`cleanbuf.engine._retry`) reads it: a failed
+    call whose batch is the last call's again is retried from before
+    that call.
+    """
+    err.fingerprint = fingerprint
+    return err
+
+
+def fingerprint_of(err: Exception) -> Fingerprint | None:
+    """The fingerprint a failed call's error carries (None: it raised before reading it)."""
+    return getattr(err, "fingerprint", None)
+
+
 class Fingerprint(NamedTuple):
     """The first row of each stream of a time-aligned call.
 
@@ -717,6 +732,7 @@ class Call:
     schema: dict = dataclasses.field(default_factory=dict)  # obs key -> (dtype, feature shape)
     structure: Schema | None = None  # what the batch's structure decided (None: disabled mode)
     planned: tuple | None = None  # the kernel's plan, where the read made it (Reader._one_pass)
+    fingerprint: Fingerprint | None = None  # time-aligned full transitions only
     as_is: bool = True  # nothing to clean: the rows pass through as views
 
     def flags(self, options: Options) -> Flags:
@@ -764,7 +780,6 @@ class Reader:
         self.options = options
         self._layouts: dict = {}  # (batch size, names) -> CallLayout, for the fixed layouts
         self._schemas: dict = {}  # structure -> Schema
-        self.fingerprint: Fingerprint | None = None  # of the call read last
 
     def read(
         self,
@@ -797,7 +812,6 @@ class Reader:
                 f"expected a TensorDict, got {type(td).__name__}; use cleanbuf.clean() "
                 "for dicts of arrays."
             )
-        self.fingerprint = None
         layout = self._layout(td, carry)
         views = batch_views(td, td.batch_dims, layout.n_rows)
         if views is None:  # (not a plain tree of CPU tensors that numpy can view)
@@ -836,14 +850,24 @@ class Reader:
         call.as_is = (
             not call.rules.successor
             and not np.count_nonzero(call.done)
-            and self._nothing_pending(call.carry, schema)
+            and call.carry.nothing_pending(schema.has_is_init, schema.has_step_count)
         )
         # Planned with the read where there is a plan to make (a call with
         # nothing to clean passes through as it is).
         planned = plan and schema.one_pass and not call.as_is
         if not (planned and self._one_pass(call, carry, before)):
             self._read_ends(call, carry, before)
+        self._check_ends(call)
         return call
+
+    def _check_ends(self, call: Call) -> None:
+        """The continuity check of the stream ends read; its error carries the fingerprint."""
+        if call.ends is not None:
+            try:
+                check(call.ends, call.obs_keys)
+            except ContinuityError as err:
+                with_fingerprint(err, call.fingerprint)
+                raise
 
     def _schema(self, layout: CallLayout, views: Views, batch_dims: int) -> Schema:
         """The schema of the batch's structure: cached, else built with every check."""
@@ -920,13 +944,12 @@ class Reader:
         if schema.exact:
             first[TRAJ_IDS] = first_ids
         repeats = bool(fingerprint) and same and fingerprint.keys() == first.keys()
-        self.fingerprint = Fingerprint(schema.exact, first, repeats)
+        call.fingerprint = Fingerprint(schema.exact, first, repeats)
         if schema.exact and repeats:
             raise SameBatchAgain
         call.ends = CallEnds(
             LastRows({key: last_k}, ~call.done[steps - 1 :: steps]), cont, first, repeats, broken
         )
-        check(call.ends, call.obs_keys)
         call.planned = planned
         return True
 
@@ -949,25 +972,10 @@ class Reader:
             (TRAJ_IDS,) if exact else (),
             call.restart if self.options.check_continuity else None,
         )
-        self.fingerprint = Fingerprint(exact, ends.first, ends.repeats)
+        call.fingerprint = Fingerprint(exact, ends.first, ends.repeats)
         if exact and ends.repeats:
             raise SameBatchAgain
-        check(ends, call.obs_keys)
         call.ends = ends
-
-    def _nothing_pending(self, carry: Carry, schema: Schema) -> bool:
-        """Whether a call without an episode end has nothing to fix.
-
-        Nothing to fix: no reset row to drop, no row waiting, and no
-        bookkeeping fix that applies to the keys the call has.
-        """
-        # (count_nonzero: a third of what any() costs on these small arrays)
-        nonzero, per_stream = np.count_nonzero, carry.per_stream
-        if nonzero(per_stream[PENDING]) or nonzero(per_stream[WAITING]):
-            return False
-        if nonzero(per_stream[NEED_INIT]) and schema.has_is_init:
-            return False
-        return not (schema.has_step_count and nonzero(per_stream[SHIFT]))
 
     def _layout(self, td: TensorDictBase, carry: Carry) -> CallLayout:
         """The call's layout, checked against the streams of the calls before.

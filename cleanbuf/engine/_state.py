@@ -3,6 +3,8 @@
 What the step (read -> plan -> write) reads and replaces: a call builds a
 new :class:`Carry` (or new fields of it) and the cleaner makes it current
 only when the call succeeds, so a failed call leaves the state as it was.
+A cleaner's whole state (the carries and the counters) is one
+:class:`State`, which the retry rule copies and restores.
 Also the checks of a saved state (:func:`check_state`,
 :func:`same_options`) and how the held rows change in a call
 (:func:`kept_held`).
@@ -36,6 +38,7 @@ from cleanbuf.engine._kernels import (
     JOINT_MARK,
     MARK,
     MARKED,
+    MARKS_SEEN,
     NEED_INIT,
     PENDING,
     SHIFT,
@@ -125,6 +128,72 @@ class Carry:
             or np.count_nonzero(self.last.open)
         )
 
+    def nothing_pending(self, has_is_init: bool, has_step_count: bool) -> bool:
+        """Whether a call without an episode end has nothing to fix.
+
+        Nothing to fix: no reset row to drop, no row waiting, and no
+        bookkeeping fix that applies to the keys the call has (``is_init``,
+        step counts).
+
+        Examples:
+            >>> carry = Carry().grown(2)
+            >>> carry.nothing_pending(True, True)
+            True
+            >>> carry.expect_resets(1).nothing_pending(False, False)  # a reset row comes
+            False
+        """
+        # (count_nonzero: a third of what any() costs on these small arrays)
+        nonzero, per_stream = np.count_nonzero, self.per_stream
+        if nonzero(per_stream[PENDING]) or nonzero(per_stream[WAITING]):
+            return False
+        if has_is_init and nonzero(per_stream[NEED_INIT]):
+            return False
+        return not (has_step_count and nonzero(per_stream[SHIFT]))
+
+    def forget_pending_init(self) -> None:
+        """Forgets every pending ``is_init`` fix (rows without ``is_init`` make it moot).
+
+        Replaces ``per_stream`` (never writes into it).
+        """
+        if np.count_nonzero(self.per_stream[NEED_INIT]):
+            self.per_stream = self.per_stream.copy()
+            self.per_stream[NEED_INIT] = 0
+
+    def expect_resets(self, n_new: int) -> Carry:
+        """A copy with ``n_new`` more streams, each starting with a reset row to drop.
+
+        Examples:
+            >>> carry = Carry().grown(1).expect_resets(2)
+            >>> carry.n_streams, carry.per_stream[PENDING].tolist()
+            (3, [0, 1, 1])
+        """
+        out = self.grown(self.n_streams + n_new)
+        out.per_stream = out.per_stream.copy()
+        out.per_stream[PENDING, self.n_streams :] = 1
+        return out
+
+    def held_marks(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per held row: whether its end is an undecided mark, and whether marks were seen.
+
+        The first array says whether the held row's end is an undecided
+        batch-end mark; the second whether its producer showed that it marks
+        batch ends (a mark of that stream turned out to be one).
+
+        Examples:
+            >>> carry = Carry().grown(1)
+            >>> carry.held_stream = np.array([0])
+            >>> [a.tolist() for a in carry.held_marks()]
+            [[False], [False]]
+        """
+        flags = self.per_stream[MARKED][self.held_stream]
+        return (flags & (MARK | JOINT_MARK)) != 0, (flags & MARKS_SEEN) != 0
+
+    def flushed(self) -> None:
+        """Forgets the held rows: no row is held, none waits."""
+        per_stream = self.per_stream.copy()
+        per_stream[WAITING] = 0
+        self.held, self.held_stream, self.per_stream = {}, np.zeros(0, np.int64), per_stream
+
     def grown(self, n_streams: int) -> Carry:
         """A shallow copy whose per-stream state covers ``n_streams`` streams.
 
@@ -190,6 +259,39 @@ class Carry:
             if "traj_ids" in state
             else np.zeros(0, np.int64),
             per_stream=per_stream,
+        )
+
+
+@dataclasses.dataclass
+class State:
+    """A cleaner's whole state: what a call reads and replaces, and what undo restores.
+
+    Attributes:
+        carry: the carry of the producer whose call is in progress (or was last).
+        producers: with several producers, one carry per producer (``carry``
+            is one of them once its call succeeded); empty with one.
+        stats: the counters, by name.
+
+    Examples:
+        >>> state = State(Carry(), [], {"rows_in": 0})
+        >>> before = state.snapshot()
+        >>> state.stats["rows_in"] += 5
+        >>> before.stats["rows_in"], state.stats["rows_in"]
+        (0, 5)
+    """
+
+    carry: Carry
+    producers: list
+    stats: dict
+
+    def snapshot(self) -> State:
+        """A copy to go back to: shallow copies of the carries, a copy of the counters.
+
+        A call replaces the fields of its carry and never writes into their
+        values, so shallow copies stay what they were.
+        """
+        return State(
+            self.carry.snapshot(), [c.snapshot() for c in self.producers], dict(self.stats)
         )
 
 

@@ -3,8 +3,9 @@
 The last part of a call's step (read -> plan -> **write**, over a
 :class:`~cleanbuf.engine._state.Carry`): the filter's output form. Holds
 the gathers that move the kept rows (read through the call's
-:class:`~cleanbuf.engine._keys.Views`) into fresh tensors (:func:`move`), the patches written into those copies (next observations,
-``is_init``, step counts) and :class:`BufferPool`, which recycles the
+:class:`~cleanbuf.engine._keys.Views`) into fresh tensors (:func:`move`),
+the patches written into those copies (next observations, ``is_init``,
+step counts) and :class:`BufferPool`, which recycles the
 large output buffers. Nothing here decides anything: the plan says which
 rows, from where.
 

@@ -17,7 +17,7 @@ its state:
   batch is refused as a skipped one;
 - unknown (another writer, a consuming buffer, a transform after the
   filter that changed the rows' keys): the cleaner's own rule stays
-  (:meth:`cleanbuf.engine._cleaner.Cleaner._call_with_retry`).
+  (:class:`cleanbuf.engine._retry.Retry`).
 """
 
 from __future__ import annotations

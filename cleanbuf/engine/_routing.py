@@ -1,0 +1,198 @@
+"""Several producers: which producer's carry a batch continues.
+
+With ``producer_key`` (TorchRL's trajectory ids), or inside a Ray actor,
+the cleaner keeps one carry per producer: each worker of a
+``MultiAsyncCollector`` whose batches are extended from the parent, one
+worker's ``[E, T]`` batch at a time, or each Ray collector extending one
+Ray replay buffer. :func:`producer_key` says whether a batch is routed at
+all (a single producer's call never comes here); :func:`route` cleans it
+against the carry of the first producer it continues (:func:`candidates`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from tensordict import TensorDictBase
+
+from cleanbuf.engine._errors import ContinuityError, InputError
+from cleanbuf.engine._keys import TRAJ_IDS, Views
+from cleanbuf.engine._options import Options
+from cleanbuf.engine._read import Fingerprint, restart_rows
+from cleanbuf.engine._state import Carry
+
+
+def route(
+    cleaner: Any, td: TensorDictBase, key: tuple, before: Fingerprint | None
+) -> tuple[TensorDictBase, Fingerprint | None]:
+    """Cleans ``td`` against the carry of its producer; returns ``cleaner.clean``'s result.
+
+    The batch goes to the first producer it continues (:func:`candidates`);
+    ``cleaner.clean`` (a call against ``cleaner.state.carry``) changes
+    nothing when it refuses one. When the producers draw trajectory ids
+    from one pool (``producer_key``), a batch sharing ids with producers it
+    does not continue is refused (a skipped or repeated batch); when they
+    may share ids (``cleaner.many_producers``), it starts a new one.
+    """
+    state = cleaner.state
+    groups = state.producers
+    first, last = trajectory_ends(td, key)
+    restarts = None
+    if cleaner.many_producers and cleaner.options.producer_key is None:
+        # pools of their own: ids shared by chance
+        restarts = first_restarts(td, cleaner.options)
+    matching, others = candidates(groups, first, restarts)
+    refused = None
+    for group in matching:
+        try:
+            out = _clean_as(cleaner, group, td, before)
+            break
+        except ContinuityError as err:
+            refused = refused or err
+    else:
+        if refused is not None and not cleaner.many_producers:
+            raise refused
+        for group in others:  # the last, a new producer, refuses nothing
+            try:
+                out = _clean_as(cleaner, group, td, before)
+                break
+            except ContinuityError:
+                continue  # an id it shares by chance: its open streams say no
+    state.carry.traj_ids = last
+    if group == len(groups):
+        groups.append(state.carry)
+    groups[group] = state.carry
+    state.stats["rows_held"] = sum(len(c.held_stream) for c in groups)
+    return out
+
+
+def _clean_as(
+    cleaner: Any, group: int, td: TensorDictBase, before: Fingerprint | None
+) -> tuple[TensorDictBase, Fingerprint | None]:
+    """``cleaner.clean`` against producer ``group``'s carry (a new one past the last)."""
+    groups = cleaner.state.producers
+    cleaner.state.carry = groups[group] if group < len(groups) else Carry()
+    return cleaner.clean(td, before)  # commits into state.carry, or raises having changed nothing
+
+
+def trajectory_ends(td: TensorDictBase, key: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """The trajectory ids of the first and of the last row of each stream.
+
+    Raises:
+        InputError: the batch is not ``[*E, T]`` or has no such key.
+    """
+    ids = td.get(key, None) if td.batch_dims >= 2 else None  # get: see Cleaner._producer_key
+    if ids is None:
+        raise InputError(
+            f"producer_key={key!r} needs [*E, T] batches holding that key (TorchRL's "
+            f"trajectory ids); got batch_size={list(td.batch_size)} and keys "
+            f"{sorted(td.keys(True, True), key=str)}. Extend the buffer with the "
+            "collector's batches as they come."
+        )
+    ids = ids.reshape(*td.batch_size).reshape(-1, td.batch_size[-1])
+    return ids[:, 0].cpu().numpy(), ids[:, -1].cpu().numpy()
+
+
+def first_restarts(td: TensorDictBase, options: Options) -> np.ndarray | None:
+    """Per stream, whether the batch's first row starts an episode after a real reset.
+
+    :func:`cleanbuf.engine._read.restart_rows` of each stream's first row; None
+    when the batch says nothing of resets. ``td`` is ``[*E, T]``.
+    """
+    dim = td.batch_dims - 1  # time
+    first = {}
+    for key in (options.is_init_key, options.step_count_key):
+        value = td.get(key, None) if key is not None else None  # (a lazy stack: get, not keys)
+        if value is not None:
+            first[key] = value.select(dim, 0)
+    restart = restart_rows(options, Views(first, dim, int(np.prod(td.batch_size[:-1]))))
+    return restart if len(restart) else None
+
+
+def candidates(
+    groups: list[Carry], first_ids: np.ndarray, restarts: np.ndarray | None = None
+) -> tuple[list[int], list[int]]:
+    """The producers a batch may continue, most likely first.
+
+    Within a producer, a stream keeps its trajectory id until its episode
+    ends, and a new episode takes an id above every id the producer gave
+    before. A producer's batch therefore has, on each stream, the id of the
+    stream's last row, or (the stream ended at the batch boundary) a larger
+    id than any of its last rows. When the producers draw ids from one pool
+    (a multi-process collector's workers do), a shared id names the
+    producer; producers with pools of their own (each Ray collector has one)
+    can share ids, so the observations decide among the candidates (the
+    cleaner's continuity check). A batch whose every stream ended at the
+    boundary shares no id: the producers it is consistent with come next,
+    the one whose ids are closest below the batch's first, then any
+    producer with nothing held, pending or open, and a new one.
+
+    ``restarts`` (producers with pools of their own) says which streams
+    start an episode after a real reset in the batch's first row. Such an
+    episode has a new id, so a producer whose last id it repeats shares it
+    by chance: it comes after the producers the batch is consistent with
+    (its continuity check would pass, a restart continuing anything).
+
+    An episode's end changes its id too (a collector's batch-end mark
+    aside), so a producer sharing the batch's ids only on streams that
+    ended comes after one sharing them on open streams.
+
+    Returns:
+        ``(matching, others)``: the consistent producers sharing an id with
+        the batch on an open stream, then those sharing one only on ended
+        streams; then the other consistent ones, those sharing an id by
+        chance, the blank ones and ``len(groups)`` (a new producer).
+
+    Examples:
+        >>> a, b = Carry(traj_ids=np.array([3, 4])), Carry(traj_ids=np.array([5, 6]))
+        >>> candidates([a, b], np.array([7, 6]))  # stream 1 continues trajectory 6
+        ([1], [0, 2])
+        >>> candidates([a, b], np.array([3, 6]))  # 6 > 4, but 3 < 6: a (b, blank, as new)
+        ([0], [1, 2])
+        >>> candidates([a, b], np.array([8, 9]))  # every stream restarted: closest first
+        ([], [1, 0, 2])
+        >>> candidates([], np.array([8, 9]))  # the first producer
+        ([], [0])
+        >>> candidates([a, b], np.array([5, 6]), restarts=np.array([True, True]))
+        ([], [0, 1, 2])
+    """
+    matching, ended, restarted, by_chance = [], [], [], []
+    for g, carry in enumerate(groups):
+        last = carry.traj_ids
+        if len(last) != len(first_ids):
+            continue
+        same = last == first_ids
+        if not np.all(same | (first_ids > last.max())):
+            continue
+        open_ = carry.last.open
+        if len(open_) != len(same):
+            open_ = np.zeros(len(same), np.bool_)
+        if np.any(open_ & ~same):
+            continue  # an open stream keeps its id
+        if restarts is not None and np.any(same & restarts):
+            by_chance.append(g)
+        elif np.any(same & open_):
+            matching.append(g)
+        elif same.any():  # only on ended streams (continuity cannot refuse those)
+            ended.append(g)
+        else:
+            restarted.append((int(first_ids.min() - last.max()), g))
+    matching += ended
+    blank = [g for g, carry in enumerate(groups) if carry.is_blank()]
+    others = [g for _, g in sorted(restarted)] + by_chance
+    others += [g for g in blank if g not in others and g not in matching]
+    return matching, [*others, len(groups)]
+
+
+def producer_key(options: Options, many_producers: bool, td: TensorDictBase) -> tuple | None:
+    """The key that tells the batch's producer, or None for one producer."""
+    key = options.producer_key
+    if key is not None or not many_producers:
+        return key
+    if options.layout in (None, "time_last") and td.batch_dims >= 2:
+        # get, not keys(): a LazyStackedTensorDict (a batch Ray carried)
+        # does not list its nested keys as containing them.
+        if td.get(TRAJ_IDS, None) is not None:
+            return TRAJ_IDS
+    return None
