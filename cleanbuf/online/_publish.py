@@ -98,7 +98,7 @@ def summed_stats(states: dict) -> dict:
 
 def flush_copies(
     copies: Copies, options: Options, write: Callable[[TensorDictBase], Any] | None
-) -> tuple[TensorDictBase, Cleaner]:
+) -> tuple[TensorDictBase, dict]:
     """Flushes every copy's last published state (the buffer is shared).
 
     Their held rows, in one write; each copy's state then shows them
@@ -113,7 +113,8 @@ def flush_copies(
             None to return them.
 
     Returns:
-        ``(rows, this copy's cleaner after the flush)``.
+        ``(rows, this copy's cleaner state after the flush)``, for its
+        cleaner to load.
     """
     cleaners, states = {}, copies.load()
     for name, state in states.items():
@@ -124,9 +125,10 @@ def flush_copies(
     rows = torch.cat(parts) if parts else TensorDict({}, batch_size=[0])
     if write is not None and rows.batch_size[0]:
         write(rows)  # raises before any state is rewritten
-    for name, cleaner in cleaners.items():  # what else a copy published stays
-        copies.states.publish(name, {**states[name], **cleaner.state_dict()})
-    return rows, cleaners[copies.own]
+    flushed = {name: cleaner.state_dict() for name, cleaner in cleaners.items()}
+    for name, state in flushed.items():  # what else a copy published stays
+        copies.states.publish(name, {**states[name], **state})
+    return rows, flushed[copies.own]
 
 
 def check_states(states: list, options: Options) -> None:

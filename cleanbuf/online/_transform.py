@@ -236,8 +236,8 @@ class AutoresetFilter(OnlineCleaner, Transform):
         if self._copies is not None:
             self._publish()
             write = None if rb is None else lambda rows: self._extend_bypassing(rb, rows)
-            rows, self._engine = _publish.flush_copies(self._copies, self.options, write)
-            self._engine.many_producers = bool(self._in_ray_actor)
+            rows, state = _publish.flush_copies(self._copies, self.options, write)
+            self._engine.load_state_dict(state)
             return None if rb is not None else rows
         if rb is None:
             return self._engine.flush(on_lost_terminal_obs)
