@@ -36,43 +36,43 @@ def route(
     may share ids (``cleaner.many_producers``), it starts a new one.
     """
     state = cleaner.state
-    groups = state.producers
+    producers = state.producers
     first, last = trajectory_ends(td, key)
     restarts = None
     if cleaner.many_producers and cleaner.options.producer_key is None:
         # pools of their own: ids shared by chance
         restarts = first_restarts(td, cleaner.options)
-    matching, others = candidates(groups, first, restarts)
+    matching, others = candidates(producers, first, restarts)
     refused = None
-    for group in matching:
+    for producer in matching:
         try:
-            out = _clean_as(cleaner, group, td, before)
+            out = _clean_as(cleaner, producer, td, before)
             break
         except ContinuityError as err:
             refused = refused or err
     else:
         if refused is not None and not cleaner.many_producers:
             raise refused
-        for group in others:  # the last, a new producer, refuses nothing
+        for producer in others:  # the last, a new producer, refuses nothing
             try:
-                out = _clean_as(cleaner, group, td, before)
+                out = _clean_as(cleaner, producer, td, before)
                 break
             except ContinuityError:
                 continue  # an id it shares by chance: its open streams say no
     state.carry.traj_ids = last
-    if group == len(groups):
-        groups.append(state.carry)
-    groups[group] = state.carry
-    state.stats["rows_held"] = sum(len(c.held_stream) for c in groups)
+    if producer == len(producers):
+        producers.append(state.carry)
+    producers[producer] = state.carry
+    state.stats["rows_held"] = sum(len(c.held_stream) for c in producers)
     return out
 
 
 def _clean_as(
-    cleaner: Any, group: int, td: TensorDictBase, before: Fingerprint | None
+    cleaner: Any, producer: int, td: TensorDictBase, before: Fingerprint | None
 ) -> tuple[TensorDictBase, Fingerprint | None]:
-    """``cleaner.clean`` against producer ``group``'s carry (a new one past the last)."""
-    groups = cleaner.state.producers
-    cleaner.state.carry = groups[group] if group < len(groups) else Carry()
+    """``cleaner.clean`` against producer ``producer``'s carry (a new one past the last)."""
+    producers = cleaner.state.producers
+    cleaner.state.carry = producers[producer] if producer < len(producers) else Carry()
     return cleaner.clean(td, before)  # commits into state.carry, or raises having changed nothing
 
 
@@ -111,7 +111,7 @@ def first_restarts(td: TensorDictBase, options: Options) -> np.ndarray | None:
 
 
 def candidates(
-    groups: list[Carry], first_ids: np.ndarray, restarts: np.ndarray | None = None
+    producers: list[Carry], first_ids: np.ndarray, restarts: np.ndarray | None = None
 ) -> tuple[list[int], list[int]]:
     """The producers a batch may continue, most likely first.
 
@@ -142,7 +142,7 @@ def candidates(
         ``(matching, others)``: the consistent producers sharing an id with
         the batch on an open stream, then those sharing one only on ended
         streams; then the other consistent ones, those sharing an id by
-        chance, the blank ones and ``len(groups)`` (a new producer).
+        chance, the blank ones and ``len(producers)`` (a new producer).
 
     Examples:
         >>> a, b = Carry(traj_ids=np.array([3, 4])), Carry(traj_ids=np.array([5, 6]))
@@ -158,7 +158,7 @@ def candidates(
         ([], [0, 1, 2])
     """
     matching, ended, restarted, by_chance = [], [], [], []
-    for g, carry in enumerate(groups):
+    for g, carry in enumerate(producers):
         last = carry.traj_ids
         if len(last) != len(first_ids):
             continue
@@ -179,10 +179,10 @@ def candidates(
         else:
             restarted.append((int(first_ids.min() - last.max()), g))
     matching += ended
-    blank = [g for g, carry in enumerate(groups) if carry.is_blank()]
+    blank = [g for g, carry in enumerate(producers) if carry.is_blank()]
     others = [g for _, g in sorted(restarted)] + by_chance
     others += [g for g in blank if g not in others and g not in matching]
-    return matching, [*others, len(groups)]
+    return matching, [*others, len(producers)]
 
 
 def producer_key(options: Options, many_producers: bool, td: TensorDictBase) -> tuple | None:
