@@ -122,7 +122,8 @@ def test_for_env_warns_when_a_loss_happens_not_before():
     limit (CartPole's 500 steps, which random-policy episodes never reach:
     nothing is lost, and a warning that always fires teaches users to
     ignore the one that matters); a Pendulum run storing NaN without a word;
-    a warning for a user who chose ``on_lost_terminal_obs``.
+    a warning for a user who chose ``on_lost_terminal_obs``; a warning whose
+    count (the first lossy batch's) reads as the run's total.
     """
     for name in ("CartPole-v1", "Pendulum-v1"):
         env = GymEnv(name, num_envs=2)
@@ -147,7 +148,8 @@ def test_for_env_warns_when_a_loss_happens_not_before():
     assert len(lost) == 1
     message = str(lost[0].message)
     assert message.startswith(f"{E} terminal observation(s) were lost")
-    for fragment in ("lossless_gym_env", "on_lost_terminal_obs='drop'"):
+    # (the count is the first lossy batch's: the text says so, and where the total is)
+    for fragment in ("lossless_gym_env", "on_lost_terminal_obs='drop'", "first batch that lost"):
         assert fragment in message
     # the last episode ends on the last batch's last step: held one call (it
     # could be a collector's batch-end mark), and taken for a real end at the flush

@@ -108,7 +108,7 @@ EFFECTS = {
 }
 
 
-def lost_message(n_lost: int, who: str, where: str = "") -> str:
+def lost_message(n_lost: int, who: str, where: str = "", first_batch: bool = False) -> str:
     """The warning's text: the count, the cause, what NaN does, the two ways out.
 
     Args:
@@ -116,12 +116,16 @@ def lost_message(n_lost: int, who: str, where: str = "") -> str:
         who: "filter", "repair" or "clean()" (the writer, which decides what
             NaN does).
         where: after "the filter", where the calls ran (copies elsewhere).
+        first_batch: ``n_lost`` is what the first batch that lost any lost
+            (the warning comes once, at that batch; later ones only count).
 
     Examples:
         >>> text = lost_message(3, "repair")
         >>> text.startswith("3 terminal observation(s) were lost before the repair saw")
         True
         >>> "lossless_gym_env" in text and "on_lost_terminal_obs='drop'" in text
+        True
+        >>> lost_message(3, "filter", first_batch=True).endswith("count every batch's.")
         True
     """
     drop = "keep those rows out of the loss (masked)" if who == "repair" else "store no such row"
@@ -134,5 +138,16 @@ def lost_message(n_lost: int, who: str, where: str = "") -> str:
         "lossless producer, cleanbuf.lossless_gym_env(name, num_envs) (TorchRL's "
         "GymWrapper over gymnasium.make_vec(..., vector_kwargs={'autoreset_mode': "
         "AutoresetMode.DISABLED or SAME_STEP})), or on_lost_terminal_obs='drop' to "
-        f"{drop}." + ("" if who == "clean()" else f" This warning is shown once per {who}.")
+        f"{drop}." + _shown_once(who, first_batch)
     )
+
+
+def _shown_once(who: str, first_batch: bool) -> str:
+    if who == "clean()":
+        return ""
+    if first_batch:
+        return (
+            f" This warning is shown once per {who}, for the first batch that lost any; "
+            "its stats count every batch's."
+        )
+    return f" This warning is shown once per {who}."

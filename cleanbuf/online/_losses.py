@@ -64,7 +64,8 @@ class LostObservations:
         if not self.warned:
             self.warned = True
             warnings.warn(
-                CleanbufWarning(lost_message(n_lost, self.who)), stacklevel=user_stacklevel()
+                CleanbufWarning(lost_message(n_lost, self.who, first_batch=True)),
+                stacklevel=user_stacklevel(),
             )
 
     def after_copies(self, states: dict) -> None:
