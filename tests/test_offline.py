@@ -383,6 +383,38 @@ def test_clean_data_audits_clean(tmp_path):
     assert main(["audit", src]) == 0
 
 
+def test_cli_lost_observation_error_names_the_flag_not_the_filter(tmp_path, capsys):
+    """One stream whose last row ended an episode, its terminal observation
+    zero-filled, cleaned with ``--on-lost-terminal-obs raise``: the row
+    waits for a reset row that never comes. Bug caught: the error told a
+    command-line user to call ``filt.flush(rb, ...)``, a filter they do not
+    have; it must name the flag, and the exit code must be 2 with nothing
+    written.
+    """
+    rows = TensorDict(
+        {
+            "observation": torch.tensor([[1.0], [2.0], [3.0]]),
+            ("next", "observation"): torch.tensor([[2.0], [3.0], [0.0]]),
+            ("next", "reward"): torch.ones(3, 1),
+            ("next", "done"): torch.tensor([[False], [False], [True]]),
+        },
+        batch_size=[3],
+    )
+    rb = ReplayBuffer(storage=LazyTensorStorage(10))
+    rb.extend(rows)
+    src, dst = _dump(rb, tmp_path), tmp_path / "dst"
+    args = ["clean", src, str(dst), "--mode", "next_step", "--on-lost-terminal-obs", "raise"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "next observation(s) are lost" in err and "--on-lost-terminal-obs" in err
+    assert "filt." not in err
+    assert not dst.exists()
+    filt = AutoresetFilter("next_step", on_lost_terminal_obs="raise")
+    filt.inv(rows.unsqueeze(0))
+    with pytest.raises(cleanbuf.TerminalObservationLostError, match=r"filt\.flush\(rb"):
+        filt.flush()  # (the filter's own flush does name itself)
+
+
 def test_cli(tmp_path, capsys):
     """Bugs caught: wrong exit codes (a pipeline guard that passes dirty
     data), an existing DST overwritten, SRC == DST accepted, an error

@@ -99,8 +99,7 @@ def lost_policy(
             "a reset group at once, the final observation is absent, or the row after "
             f"never arrived) and {why}. Choose on_lost_terminal_obs='drop' (do not "
             "store those rows), 'keep' (store them as the producer left them) or 'nan' "
-            "(floating observations only); at the end of collection it can be given to the "
-            "flush alone: filt.flush(rb, on_lost_terminal_obs='keep'). Nothing was written."
+            "(floating observations only). Nothing was written."
         )
     if policy == "nan" and ints:
         raise InputError(

@@ -11,7 +11,13 @@ from tensordict import NestedKey, TensorDictBase
 from torchrl.envs.transforms import Transform
 
 from cleanbuf.engine._cleaner import Cleaner
-from cleanbuf.engine._errors import CleanbufError, CleanbufWarning, InputError, StateError
+from cleanbuf.engine._errors import (
+    CleanbufError,
+    CleanbufWarning,
+    InputError,
+    StateError,
+    TerminalObservationLostError,
+)
 from cleanbuf.engine._options import Options, keyword_names, options_in, refuse_unknown
 from cleanbuf.online import _at_exit, _publish, _writes
 from cleanbuf.online._base import OnlineCleaner
@@ -222,9 +228,26 @@ class AutoresetFilter(OnlineCleaner, Transform):
         Returns:
             The held rows (flat), or None when written to ``rb``.
 
+        Raises:
+            TerminalObservationLostError: a held row's next observation is
+                lost and the policy is "raise" (or NaN cannot mark it); its
+                text says how to choose a policy for this flush alone.
+                Nothing was written and nothing changed.
+
         Warns:
             CleanbufWarning: as :attr:`stats` does, before the flush.
         """
+        try:
+            return self._flush(rb, on_lost_terminal_obs)
+        except TerminalObservationLostError as err:
+            if on_lost_terminal_obs is not None:
+                raise
+            raise TerminalObservationLostError(
+                f"{err} The policy can be given to this flush alone: "
+                "filt.flush(rb, on_lost_terminal_obs='keep')."
+            ) from None
+
+    def _flush(self, rb: Any, on_lost_terminal_obs: str | None) -> TensorDictBase | None:
         self._settle_write()
         if self._copies is not None:  # what the copies lost, before the flush marks more
             self._losses.after_copies(self._copies.load())
