@@ -178,6 +178,7 @@ def test_a_single_producers_calls_never_enter_the_routing(monkeypatch):
         raise AssertionError("a single producer's call was routed")
 
     monkeypatch.setattr(_cleaner, "route", no_routing)
+    monkeypatch.setattr(_cleaner, "producer_key", no_routing)
     alone = Cleaner(OPTIONS)
     for batch, rows in zip(calls, want_rows):
         assert_same_rows(alone(batch), rows)

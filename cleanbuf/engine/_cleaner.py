@@ -158,7 +158,9 @@ class Cleaner:
             call reads no stream ends). An error carries the fingerprint
             too, where the call read it (:func:`~cleanbuf.engine._read.fingerprint_of`).
         """
-        key = producer_key(self.options, self.many_producers, td)
+        key = None  # one producer: no routing at all
+        if self.many_producers or self.options.producer_key is not None:
+            key = producer_key(self.options, self.many_producers, td)
         try:
             if key is None:
                 return self.clean(td, before)
