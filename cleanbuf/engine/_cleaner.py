@@ -1,7 +1,7 @@
 """The stateful cleaner: TensorDict in, flat cleaned rows out.
 
 A call is one step over the producer's :class:`~cleanbuf.engine._state.Carry`
-(:meth:`Cleaner._clean`):
+(:meth:`Cleaner.clean`):
 
 1. **read** the batch (:meth:`Cleaner.read`, :mod:`cleanbuf.engine._read`):
    its layout, flags, observation keys, stream ends, all checked; a batch
