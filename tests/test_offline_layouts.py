@@ -406,12 +406,15 @@ def _compare_pendulum(rows, env, oracle) -> int:
     return nan
 
 
-def test_too_little_evidence_is_said(runs, tmp_path, capsys):
+@pytest.mark.parametrize("fmt", ["npz", "dump"])
+def test_too_little_evidence_is_said(runs, tmp_path, capsys, fmt):
     """One step of 4 envs ([1, E]: no env has two rows to compare), and
     flat rows env after env (no run continues another, so the envs are not
-    in the data). Bugs caught: "clean" (exit 0) on data the audit could
-    not check, a fix printed that fails, and --layout flat --envs N not
-    reading the rows as N envs.
+    in the data), in a ``.npz`` and in a TorchRL buffer dump. Bugs caught:
+    "clean" (exit 0) on data the audit could not check, a fix printed that
+    fails, and --layout flat --envs N not reading the rows as N envs (a
+    dump's reader ignored it, and the audit asked again for the flags it
+    was given).
     """
     data, oracle = runs["gym-next-step"]
     one = str(tmp_path / "one.npz")
@@ -420,9 +423,12 @@ def test_too_little_evidence_is_said(runs, tmp_path, capsys):
     assert report.undecided and not report.clean and report.status == 3
     assert main(["audit", one]) == 3
     assert "cannot tell" in capsys.readouterr().out
-    flat = str(tmp_path / "flat.npz")
     env_after_env = {k: np.swapaxes(a, 0, 1).reshape(T * E, *a.shape[2:]) for k, a in data.items()}
-    np.savez(flat, **env_after_env)
+    if fmt == "npz":
+        flat = str(tmp_path / "flat.npz")
+        np.savez(flat, **env_after_env)
+    else:
+        flat = _dump(env_after_env, "flat", tmp_path)
     assert audit(flat).status == 3 and main(["audit", flat]) == 3
     told = audit(flat, layout="flat", envs=E)
     assert told.status == 1 and "--layout flat --envs 4" in told.command()

@@ -756,7 +756,14 @@ def read(path: str, shape: Shape | None = None) -> Dataset:
     if os.path.isdir(path):
         if os.path.isdir(os.path.join(path, "storage")):
             ds, marked = _dump(path), _marked(path)
-            return ds if marked["env"] is None else dataclasses.replace(ds, **marked)
+            if marked["env"] is not None:  # written by cleanbuf clean: its env marks say
+                return dataclasses.replace(ds, **marked)
+            if shape != Shape() and ds.data.batch_dims == 1:
+                # Rows told how to read (--layout, --envs, --key): in the order written.
+                rows = ds.data[torch.as_tensor(ds.order)]
+                told = from_tensordict(path, DUMP, rows, shape)
+                return dataclasses.replace(told, capacity=ds.capacity, wrapped=ds.wrapped)
+            return ds
         if os.path.exists(os.path.join(path, "meta.json")):
             data = _load_memmap(path)
             if data.batch_dims > 1 or shape != Shape() or not _torchrl_named(data):
