@@ -418,7 +418,8 @@ def test_cli_lost_observation_error_names_the_flag_not_the_filter(tmp_path, caps
 def test_cli(tmp_path, capsys):
     """Bugs caught: wrong exit codes (a pipeline guard that passes dirty
     data), an existing DST overwritten, SRC == DST accepted, an error
-    without its message, SRC written to, --plot writing no image.
+    without its message, SRC written to, --plot writing no image, a
+    missing SRC blamed on DST's name.
     """
     rb, _ = _collect(LazyTensorStorage(1000))
     src = _dump(rb, tmp_path)
@@ -438,6 +439,8 @@ def test_cli(tmp_path, capsys):
     assert main(["clean", src, src]) == 2
     assert "same path" in capsys.readouterr().err
     assert main(["audit", str(tmp_path / "nope")]) == 2
+    assert main(["clean", str(tmp_path / "nope"), str(tmp_path / "x")]) == 2
+    assert "nope does not exist" in capsys.readouterr().err  # (not: DST names no format)
     assert main(["clean", src, dst, "--force", "--no-progress"]) == 0
     assert _digest(src) == before  # SRC is never written
 

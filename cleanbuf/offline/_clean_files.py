@@ -167,6 +167,8 @@ def clean_dataset(
             needed. Nothing is left at ``dst``, nor a temporary directory.
     """
     shape = Shape(*(options.pop(k, None) for k in ("layout", "envs", "keys")))
+    if not isinstance(src, Dataset) and not os.path.exists(src):  # (said before DST's name)
+        raise InputError(f"{src} does not exist.")
     if dst is not None:  # a DST naming no format written: refused before SRC is read
         source_kind = src.format if isinstance(src, Dataset) else None
         output_format(dst, source_kind or (DUMP if os.path.isdir(src) else NPZ))
