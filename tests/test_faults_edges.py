@@ -439,7 +439,7 @@ REPAIR_CASES = [
     Case(
         "repair: a dict without done",
         bad_repair(lambda b: {"observation": b["observation"]}),
-        clear(InputError, "no done key in the dict", "('next', 'done')"),
+        clear(InputError, "no done key in the dict", "'next/done'", "done_key="),
     ),
     Case(
         "repair: a dict with a list",
@@ -474,7 +474,7 @@ CLEAN_CASES = [
     Case(
         "clean: no done key",
         bad_clean(lambda d: _without(d, "next/done")),
-        clear(InputError, "without a done key", "'next/done'", "batch_dims="),
+        clear(InputError, "no done key in the dict", "'next/done'", "done_key="),
     ),
     Case(
         "clean: float done 0/1 (as Stable-Baselines3 stores it)",

@@ -128,7 +128,9 @@ def test_clean_reads_a_dict_named_as_in_npz_files(collected):
     ``"next/observation"`` (as ``np.load`` of a ``.npz`` gives it) failed with
     "cannot infer the batch dimensions of a dict without a done key" although
     the key is there. Also caught: a really missing done key reported
-    without the keys that were found.
+    without the keys that were found, or with a way out (``batch_dims=``)
+    that only leads to another error; ``done_key=`` ignored when reading
+    the batch dimensions.
     """
     *_, batches = collected
     data = torch.cat(batches, 1)  # [E, steps]: time last
@@ -144,8 +146,13 @@ def test_clean_reads_a_dict_named_as_in_npz_files(collected):
         np.testing.assert_array_equal(got[name], value.numpy(), err_msg=name)
     missing = {k: v for k, v in named.items() if k not in ("next/done", "next/terminated")}
     missing.pop("next/truncated")
-    with pytest.raises(InputError, match=r"found keys .*'next', 'reward'"):
+    with pytest.raises(InputError, match=r"found keys .*'next/reward'") as info:
         cleanbuf.clean(missing, layout="time_last")
+    assert "done_key=" in str(info.value) and "batch_dims=" not in str(info.value)
+    # the key the message names as the way out works alone (it also gives the batch dims)
+    missing["dones"] = named["next/done"]
+    got = cleanbuf.clean(missing, layout="time_last", done_key="dones")
+    np.testing.assert_array_equal(got["next/observation"], want["next", "observation"].numpy())
 
 
 def test_a_cleaned_dump_loads_into_a_buffer_built_as_the_source(collected, tmp_path, capsys):

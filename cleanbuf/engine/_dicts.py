@@ -74,6 +74,7 @@ def to_tensordict(
     *,
     time_first: bool = False,
     takes_batch_dims: bool = False,
+    done_key: tuple | None = None,
 ) -> tuple[TensorDictBase, bool]:
     """A dict of arrays as a TensorDict (sharing memory), and whether it held numpy arrays.
 
@@ -90,6 +91,7 @@ def to_tensordict(
             the done array.
         time_first: the arrays are a rollout ``[T, E, ...]``.
         takes_batch_dims: the caller takes ``batch_dims=`` (the errors say so).
+        done_key: the done key the user named (``done_key=``), read first.
 
     Raises:
         InputError: no done array (and no ``batch_dims``), arrays that
@@ -110,16 +112,17 @@ def to_tensordict(
             "kind, so that the result comes back as the same kind."
         )
     tensors = {k: torch.as_tensor(v) for k, v in arrays.items()}
-    done = next((tensors[k] for k in DONE_KEYS if k in tensors), None)
+    wanted = DONE_KEYS if done_key is None else (done_key,)
+    done = next((tensors[k] for k in wanted if k in tensors), None)
     if batch_dims is None:
         if done is None:
-            takes = " or pass batch_dims=" if takes_batch_dims else ""
             raise InputError(
-                f"no done key in the dict passed to {caller}: the batch dimensions of a dict "
-                f"without a done key are unknown. Expected one of "
-                f"{', '.join(map(str, DONE_KEYS))} (nested dicts, tuple keys or 'next/done' "
-                f"as in .npz files), found keys "
-                f"{sorted(tensors, key=str)}. Add the done flags{takes}."
+                f"no done key in the dict passed to {caller}: expected "
+                f"{' or '.join(repr('/'.join(k)) for k in wanted)} (nested dicts and tuple keys "
+                f"work too), found keys {sorted('/'.join(k) for k in tensors)}. Add the done "
+                "flags, a bool array with one flag per row ([N], or [N, 1] as TorchRL stores "
+                "it; [T, E] for a rollout), or name the key that holds them with done_key= "
+                "(cleaning needs the episode ends)."
             )
         batch_dims = done.dim()
         if batch_dims > 1 and done.shape[-1] == 1:

@@ -164,11 +164,14 @@ def clean(
         from cleanbuf.offline._sources import not_data
 
         raise InputError(not_data(data))
+    opts = Options.build(**options)
     if as_dict:
-        td, as_numpy = to_tensordict(data, "clean()", batch_dims, takes_batch_dims=True)
+        td, as_numpy = to_tensordict(
+            data, "clean()", batch_dims, takes_batch_dims=True, done_key=opts.done_key
+        )
     else:
         td, as_numpy = data, False
-    cleaner = Cleaner(Options.build(**options))
+    cleaner = Cleaner(opts)
     out = cleaner(td)
     _warn_lost(cleaner)
     rest = cleaner.flush()
