@@ -864,6 +864,25 @@ def test_a_forgotten_flush_warns():
         gc.collect()
 
 
+def test_the_warning_after_a_flush_that_raised_gives_the_flush_that_works():
+    """A flush that raised (integer observations: NaN cannot mark the lost
+    one), then the filter goes, still holding the row. Bug caught: the
+    warning told the user to "call filt.flush(rb)", the very call that had
+    just raised, instead of the one with a policy.
+    """
+    batch = STREAMS["default"][0].clone()
+    for key in (OBS, NEXT_OBS):
+        batch.set(key, batch.get(key).long())
+    filt = AutoresetFilter("next_step")
+    rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=filt)
+    rb.extend(batch)
+    with pytest.raises(TerminalObservationLostError):
+        filt.flush(rb)
+    with pytest.warns(CleanbufWarning, match=r"flush raised.*on_lost_terminal_obs="):
+        del filt, rb
+        gc.collect()
+
+
 def test_integer_observations_have_a_way_out_at_flush():
     """Bug caught: integer observations with a held row whose reset row never
     came: flush() raised and no option could store the rows.

@@ -240,6 +240,7 @@ class AutoresetFilter(OnlineCleaner, Transform):
         try:
             return self._flush(rb, on_lost_terminal_obs)
         except TerminalObservationLostError as err:
+            self.__dict__["_flush_raised"] = True  # (the unflushed-rows warning says so)
             if on_lost_terminal_obs is not None:
                 raise
             raise TerminalObservationLostError(
@@ -449,11 +450,23 @@ class AutoresetFilter(OnlineCleaner, Transform):
             self.__dict__["_said_unflushed"] = True
             warnings.warn(
                 f"an AutoresetFilter still held {held} row(s) at interpreter exit that were "
-                "never stored (each waits for the row after it). Call filt.flush(rb) at the "
-                "end of collection (after the collector's loop) to store them.",
+                f"never stored (each waits for the row after it). {self._flush_advice()}",
                 CleanbufWarning,
                 stacklevel=2,
             )
+
+    def _flush_advice(self) -> str:
+        """What to call to store the held rows (with a policy, after a flush that raised)."""
+        if self.__dict__.get("_flush_raised"):
+            return (
+                "Its flush raised (a held row lost its next observation and the policy is "
+                "to raise): call filt.flush(rb, on_lost_terminal_obs='keep', 'drop' or "
+                "'nan') to store them or drop them."
+            )
+        return (
+            "Call filt.flush(rb) at the end of collection (after the collector's loop) to "
+            "store them."
+        )
 
     def __del__(self) -> None:
         # A forgotten flush(rb) loses the held rows: say so when the filter goes.
@@ -462,8 +475,8 @@ class AutoresetFilter(OnlineCleaner, Transform):
             if held:
                 warnings.warn(
                     f"an AutoresetFilter was garbage-collected while holding {held} row(s) "
-                    "that were never stored (each waits for the row after it). Call "
-                    "filt.flush(rb) at the end of collection to store them.",
+                    "that were never stored (each waits for the row after it). "
+                    f"{self._flush_advice()}",
                     CleanbufWarning,
                     stacklevel=2,
                 )
