@@ -155,10 +155,22 @@ class AutoresetFilter(OnlineCleaner, Transform):
         """The counters, as plain Python ints.
 
         ``rows_in == rows_out + reset_rows_dropped + lost_rows_dropped +
-        rows_held``. ``rows_in``, ``rows_out``, ``reset_rows_dropped``,
-        ``next_obs_restitched``, ``terminal_obs_missing``,
-        ``next_obs_missing``, ``lost_rows_dropped``, ``rows_held``,
-        ``episodes_completed``.
+        rows_held``:
+
+        - ``rows_in``, ``rows_out``: the rows given, and the rows stored;
+        - ``reset_rows_dropped``: bogus reset transitions removed (next-step
+          data: the row from an episode's last observation to the reset one);
+        - ``next_obs_restitched``: next observations put back (a done row's
+          terminal observation, from its reset row or a final-observation entry);
+        - ``terminal_obs_missing``: done rows whose terminal observation was
+          lost before the filter saw it (NaN by default, see
+          ``on_lost_terminal_obs``); ``next_obs_missing``: other rows whose
+          next observation never came (a held row at a flush);
+        - ``lost_rows_dropped``: rows not stored for a lost next observation
+          (``on_lost_terminal_obs="drop"``);
+        - ``rows_held``: rows waiting for the row after them (stored by a
+          later call or the flush);
+        - ``episodes_completed``: the episode ends seen.
 
         Once the buffer is shared with worker processes (a multi-process
         collector given the buffer, or the filter in Ray actors), the sums
