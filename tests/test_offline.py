@@ -388,8 +388,8 @@ def test_cli_lost_observation_error_names_the_flag_not_the_filter(tmp_path, caps
     zero-filled, cleaned with ``--on-lost-terminal-obs raise``: the row
     waits for a reset row that never comes. Bug caught: the error told a
     command-line user to call ``filt.flush(rb, ...)``, a filter they do not
-    have; it must name the flag, and the exit code must be 2 with nothing
-    written.
+    have; it must name the flag and the observation key, and the exit
+    code must be 2 with nothing written.
     """
     rows = TensorDict(
         {
@@ -406,7 +406,8 @@ def test_cli_lost_observation_error_names_the_flag_not_the_filter(tmp_path, caps
     args = ["clean", src, str(dst), "--mode", "next_step", "--on-lost-terminal-obs", "raise"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "next observation(s) are lost" in err and "--on-lost-terminal-obs" in err
+    assert "next observation(s) (('next', 'observation')) are lost" in err  # the key named
+    assert "--on-lost-terminal-obs" in err
     assert "filt." not in err
     assert not dst.exists()
     filt = AutoresetFilter("next_step", on_lost_terminal_obs="raise")

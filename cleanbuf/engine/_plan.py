@@ -94,8 +94,9 @@ def lost_policy(
             if policy is None
             else "on_lost_terminal_obs='raise'"
         )
+        keys = ", ".join(key_name(("next", *k)) for k in obs_keys)
         raise TerminalObservationLostError(
-            f"{n_lost} next observation(s) are lost (the producer reset every env of "
+            f"{n_lost} next observation(s) ({keys}) are lost (the producer reset every env of "
             "a reset group at once, the final observation is absent, or the row after "
             f"never arrived) and {why}. Choose on_lost_terminal_obs='drop' (do not "
             "store those rows), 'keep' (store them as the producer left them) or 'nan' "
