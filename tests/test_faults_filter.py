@@ -864,11 +864,9 @@ def test_a_forgotten_flush_warns():
         gc.collect()
 
 
-def test_the_warning_after_a_flush_that_raised_gives_the_flush_that_works():
-    """A flush that raised (integer observations: NaN cannot mark the lost
-    one), then the filter goes, still holding the row. Bug caught: the
-    warning told the user to "call filt.flush(rb)", the very call that had
-    just raised, instead of the one with a policy.
+def _holding_an_integer_row():
+    """A filter and its buffer after a batch of integer observations whose
+    last done row waits for a reset row that never comes (NaN cannot mark it).
     """
     batch = STREAMS["default"][0].clone()
     for key in (OBS, NEXT_OBS):
@@ -876,6 +874,16 @@ def test_the_warning_after_a_flush_that_raised_gives_the_flush_that_works():
     filt = AutoresetFilter("next_step")
     rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=filt)
     rb.extend(batch)
+    return filt, rb
+
+
+def test_the_warning_after_a_flush_that_raised_gives_the_flush_that_works():
+    """A flush that raised (integer observations: NaN cannot mark the lost
+    one), then the filter goes, still holding the row. Bug caught: the
+    warning told the user to "call filt.flush(rb)", the very call that had
+    just raised, instead of the one with a policy.
+    """
+    filt, rb = _holding_an_integer_row()
     with pytest.raises(TerminalObservationLostError):
         filt.flush(rb)
     with pytest.warns(CleanbufWarning, match=r"flush raised.*on_lost_terminal_obs="):
@@ -887,12 +895,7 @@ def test_integer_observations_have_a_way_out_at_flush():
     """Bug caught: integer observations with a held row whose reset row never
     came: flush() raised and no option could store the rows.
     """
-    batch = STREAMS["default"][0].clone()
-    for key in (OBS, NEXT_OBS):
-        batch.set(key, batch.get(key).long())
-    filt = AutoresetFilter("next_step")
-    rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=filt)
-    rb.extend(batch)
+    filt, rb = _holding_an_integer_row()
     with pytest.raises(TerminalObservationLostError, match="flush") as info:
         filt.flush(rb)
     assert "on_lost_terminal_obs=" in str(info.value)
