@@ -414,3 +414,24 @@ def test_observation_only_rows_get_their_next_observations():
         assert torch.equal(got[MASK], mask) and not mask.all()
         assert torch.equal(got["next", "observation"][mask], want["next", "observation"][mask])
     assert _identity(b.stats) and b.stats["reset_rows_masked"] == a.stats["reset_rows_masked"]
+
+
+def test_a_dict_whose_done_flags_have_another_name():
+    """A rollout as a dict of numpy arrays whose done flags are stored
+    under another name, given with ``done_key=``. Bug caught: the repair
+    read the batch dimensions from the standard done keys only, so it
+    refused the dict with "name the key ... with done_key=", the option
+    the user had passed; also checks that the repaired arrays equal the
+    TensorDict path's.
+    """
+    from tests.batches import next_step_batch
+
+    batch = next_step_batch(3, 12, 7)
+    want = RolloutRepair("next_step")(batch)
+    arrays = {
+        k if isinstance(k, str) else "/".join(k): v.numpy() for k, v in batch.items(True, True)
+    }
+    arrays["next/dones"] = arrays.pop("next/done")
+    got = RolloutRepair("next_step", done_key=("next", "dones"))(arrays)
+    np.testing.assert_array_equal(got["next"]["observation"], want["next", "observation"].numpy())
+    np.testing.assert_array_equal(got["collector"]["mask"], want["collector", "mask"].numpy())

@@ -202,7 +202,10 @@ class RolloutRepair(OnlineCleaner):
         """
         if isinstance(batch, Mapping) and not isinstance(batch, TensorDictBase):
             td, as_numpy = to_tensordict(
-                batch, "RolloutRepair", time_first=self._layout == "time_first"
+                batch,
+                "RolloutRepair",
+                time_first=self._layout == "time_first",
+                done_key=self.options.done_key,
             )
             out = self(td)
             self._as_numpy = as_numpy

@@ -250,7 +250,7 @@ class AutoresetFilter(OnlineCleaner, Transform):
             CleanbufWarning: as :attr:`stats` does, before the flush.
         """
         try:
-            return self._flush(rb, on_lost_terminal_obs)
+            out = self._flush(rb, on_lost_terminal_obs)
         except TerminalObservationLostError as err:
             self.__dict__["_flush_raised"] = True  # (the unflushed-rows warning says so)
             if on_lost_terminal_obs is not None:
@@ -259,6 +259,8 @@ class AutoresetFilter(OnlineCleaner, Transform):
                 f"{err} The policy can be given to this flush alone: "
                 "filt.flush(rb, on_lost_terminal_obs='keep')."
             ) from None
+        self.__dict__["_flush_raised"] = False
+        return out
 
     def _flush(self, rb: Any, on_lost_terminal_obs: str | None) -> TensorDictBase | None:
         self._settle_write()
