@@ -426,6 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     """Runs ``cleanbuf check``; returns the exit status."""
     args = parser().parse_args(argv)
     producers = None if not args.producer else ",".join(args.producer)
+    # As `python -m` does: a module:function in the working directory imports
+    # (the installed `cleanbuf` script does not look there by itself).
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, here)
     try:
         report = check(
             args.env,
@@ -453,3 +459,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # exit 1 means "a difference": anything else is 2
         print(f"cleanbuf check: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
+    finally:
+        if added and here in sys.path:
+            sys.path.remove(here)

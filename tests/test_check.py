@@ -347,6 +347,25 @@ def test_a_factory_name_that_is_wrong_says_what(tmp_path, monkeypatch, capsys):
     assert "module 'nomodule_here' cannot be imported" in capsys.readouterr().err
 
 
+def test_a_factory_in_the_working_directory_is_found(tmp_path, monkeypatch, capsys):
+    """The installed ``cleanbuf`` script, run from the directory that holds
+    ``mypackage/envs.py``, does not have that directory on ``sys.path``
+    (``python -m`` and ``python -c`` do). Bug caught: ``cleanbuf check
+    mypackage.envs:make_env`` refused with "cannot be imported ... Run from
+    the directory that holds it", run from that very directory.
+    """
+    (tmp_path / "mypackage").mkdir()
+    (tmp_path / "mypackage" / "__init__.py").write_text("")
+    (tmp_path / "mypackage" / "envs.py").write_text(
+        "import gymnasium\n\ndef make_env():\n    return gymnasium.make('CartPole-v1')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    args = ["check", "mypackage.envs:make_env", "--steps", "40", "--producer", "gym-next-step"]
+    assert main([*args, "--no-progress"]) == 0, capsys.readouterr()
+    assert str(tmp_path) not in sys.path  # (put back as it was)
+
+
 def test_json_holds_the_table(capsys):
     """Bug caught: ``--json`` failing on a value JSON cannot hold (NumPy
     numbers, the plot's arrays) or leaving out the status.
