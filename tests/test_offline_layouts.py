@@ -430,6 +430,9 @@ def test_too_little_evidence_is_said(runs, tmp_path, capsys, fmt):
     else:
         flat = _dump(env_after_env, "flat", tmp_path)
     assert audit(flat).status == 3 and main(["audit", flat]) == 3
+    assert "--layout flat --envs N (rows of N envs" in capsys.readouterr().out
+    with pytest.raises(cleanbuf.InputError, match=f"pass --layout flat --envs {E}"):
+        audit(flat, envs=E)  # (the flag alone: the message gives the pair)
     told = audit(flat, layout="flat", envs=E)
     assert told.status == 1 and "--layout flat --envs 4" in told.command()
     assert main(["audit", flat, "--layout", "flat", "--envs", str(E)]) == 1

@@ -333,8 +333,9 @@ class Report:
             )
         else:
             how = (
-                f"cleanbuf audit {shlex.quote(self.source)} --layout time_first|time_last|flat "
-                "(flat rows of N envs one env after the other: --layout flat --envs N)"
+                f"cleanbuf audit {shlex.quote(self.source)} --layout flat --envs N (rows of N "
+                "envs, one env after the other), or --layout time_first|time_last (arrays "
+                "[T, E, ...] or [E, T, ...])"
             )
         return "\n".join(
             [
@@ -536,7 +537,11 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
     env = env_if_fresh(ds.env, ds.mark, done)
     streams = recover(rows, ds.chunk, ds.wrapped) if env is None else stored(env)
     if not streams.found:
-        why = "which env each row came from: the rows do not chain into runs of one env"
+        why = (
+            "which env each row came from: the rows chain neither as one env's nor as "
+            "several envs' rows step after step (rows of N envs one env after the "
+            "other are N runs, which the data cannot tell from one env's broken run)"
+        )
         linked = _linked(rows, reward, done)
         if linked is not None and not linked.get("artifacts"):
             return Report(**{**base, **linked["found"]}), streams

@@ -33,11 +33,13 @@ def check_layout(layout: str | None, envs: int | None) -> None:
             "'flat' ([N, ...] rows; with envs=N, N envs' rows one env after the other), or "
             "None to decide from the data."
         )
-    if envs is not None and (layout != "flat" or int(envs) < 1):
+    if envs is not None and layout != "flat":
         raise InputError(
-            f"envs={envs!r} goes with layout='flat' (rows of envs one env after the other, "
-            "--layout flat --envs N) and must be at least 1."
+            f"envs={envs!r} goes with layout='flat' (rows of envs one env after the other): "
+            f"pass --layout flat --envs {envs} (layout='flat', envs={envs})."
         )
+    if envs is not None and int(envs) < 1:
+        raise InputError(f"envs={envs!r}: the number of envs must be at least 1.")
 
 
 def _rate(obs: np.ndarray, next_obs: np.ndarray, done: np.ndarray, axis: int) -> tuple[int, int]:
