@@ -40,6 +40,7 @@ import cleanbuf._env_check_report as report_
 import cleanbuf._env_check_runs as runs_
 from cleanbuf.engine._errors import CleanbufError
 from cleanbuf.offline._audit import program
+from cleanbuf.offline.cli import check_plot_path
 
 CleanFn = Callable[[list, Any], Any]
 _FORMAT = "cleanbuf-check-reproducer/1"
@@ -433,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     if added:
         sys.path.insert(0, here)
     try:
+        check_plot_path(args.plot)
         report = check(
             args.env,
             producers=producers,

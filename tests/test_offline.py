@@ -419,8 +419,9 @@ def test_cli_lost_observation_error_names_the_flag_not_the_filter(tmp_path, caps
 def test_cli(tmp_path, capsys):
     """Bugs caught: wrong exit codes (a pipeline guard that passes dirty
     data), an existing DST overwritten, SRC == DST accepted, an error
-    without its message, SRC written to, --plot writing no image, a
-    missing SRC blamed on DST's name.
+    without its message, SRC written to, --plot writing no image (or,
+    into a missing directory, failing after the whole audit with a bare
+    "No such file"), a missing SRC blamed on DST's name.
     """
     rb, _ = _collect(LazyTensorStorage(1000))
     src = _dump(rb, tmp_path)
@@ -432,6 +433,10 @@ def test_cli(tmp_path, capsys):
     png = tmp_path / "audit.png"
     assert main(["audit", src, "--plot", str(png)]) == 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert main(["audit", src, "--plot", str(tmp_path / "nodir" / "audit.png")]) == 2
+    out, err = capsys.readouterr()
+    assert "nodir does not exist" in err and not out  # refused before the audit runs
     dst = str(tmp_path / "dst")
     assert main(["clean", src, dst, "--no-progress"]) == 0
     assert "reset_rows_dropped" in capsys.readouterr().out

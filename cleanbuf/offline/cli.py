@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 
@@ -211,6 +212,24 @@ FLAGS = {
 }
 
 
+def check_plot_path(path: str | None) -> None:
+    """Refuses a ``--plot FILE`` whose directory does not exist, before any work.
+
+    Examples:
+        >>> check_plot_path("audit.png")
+        >>> check_plot_path("no/such/dir/audit.png")
+        Traceback (most recent call last):
+        ...
+        cleanbuf.engine._errors.CleanbufError: --plot no/such/dir/audit.png: the directory ...
+    """
+    folder = os.path.dirname(path) if path else ""
+    if folder and not os.path.isdir(folder):
+        raise CleanbufError(
+            f"--plot {path}: the directory {folder} does not exist, so the plot cannot be "
+            f"written there. Create it (mkdir -p {folder}) or name a file in an existing one."
+        )
+
+
 def flags_for(message: str) -> str:
     """The command-line flags for the Python options an error message names ("" if none).
 
@@ -268,6 +287,7 @@ def _run(args: argparse.Namespace, audit, clean_dataset) -> int:
     try:
         shape = {"layout": args.layout, "envs": args.envs, "keys": parse_keys(args.key)}
         if args.command == "audit":
+            check_plot_path(args.plot)
             report = audit(args.path, **shape)
             print(report.to_json() if args.json else report)
             if args.plot and report.undecided is None:  # nothing checked: nothing to draw
