@@ -490,3 +490,35 @@ def test_env_restarts_end_episodes_unfinished():
     ended_only = cleanbuf.to_minari(rows, "cartpole/restarts-ended-v0", unfinished="drop")
     assert ended_only.episodes == export.terminated
     assert ended_only.unfinished_dropped == export.unfinished
+
+
+def test_a_wrapped_buffer_leaves_out_the_episodes_it_cut():
+    """A next-step loop's steps extended into a buffer that wrapped: each
+    env's oldest kept rows are the middle of an episode whose start was
+    overwritten. Bug caught: those episodes exported as if they began
+    there (a Minari episode starting mid-way, its first observation no
+    reset observation), and counted as ended episodes; every other episode
+    must equal its explicit-reset episode from its first step.
+    """
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    name, kwargs, policy = ENVS["CartPole-terminates"]
+    oracle = _raw_oracle(name, kwargs, policy)
+    rb = ReplayBuffer(storage=LazyTensorStorage(E * (STEPS // 2)))
+    for step in _raw(name, kwargs, policy, NEXT_STEP):
+        rb.extend(step)
+    export = cleanbuf.to_minari(rb, "cartpole/wrapped-v0")
+    print(export)
+    _check_counts(export)
+    assert export.audit.wrapped and export.started_before == E
+    data = minari.load_dataset("cartpole/wrapped-v0")
+    first = {}
+    for ep, env in zip(data.iterate_episodes(), export.episode_envs):
+        first.setdefault(env, ep.observations[0])
+    shifted = {}
+    for env, obs in first.items():  # each env's oracle from its first exported episode on
+        starts = [k for k, want in enumerate(oracle[env]) if np.array_equal(want["obs"][0], obs)]
+        assert starts, f"env {env}: the first exported episode starts at no episode's start"
+        shifted[env] = oracle[env][starts[0] :]
+    exact, prefix = compare_with_oracle("cartpole/wrapped-v0", export, shifted, lambda a: a)
+    assert exact > E and prefix == E  # one unfinished episode per env, at the end

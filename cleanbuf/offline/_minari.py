@@ -96,6 +96,10 @@ class Export:
             (``lost_final="drop"``, or a one-step episode).
         restarts: of the unfinished episodes, those cut by a restart of
             their env (not at the end of the data).
+        started_before: episodes whose first steps the data no longer
+            holds (a buffer that wrapped overwrote them, or the first row
+            of an env's data is not marked ``is_init``): left out, never
+            exported as if they began there.
         env: the env id recorded (``recover_environment()`` builds it), or
             None; missing_metadata: the metadata entries left out.
     """
@@ -117,6 +121,7 @@ class Export:
     lost_shortened: int = 0
     lost_dropped: int = 0
     restarts: int = 0
+    started_before: int = 0
     env: str | None = None
     missing_metadata: list = dataclasses.field(default_factory=list)
 
@@ -150,6 +155,8 @@ class Export:
             f"{self.unfinished_dropped} left out ({self.restarts} cut by an env restart)",
             f"    final obs lost  {self.lost_shortened} exported {lost_how}, "
             f"{self.lost_dropped} left out",
+            f"    cut at start    {self.started_before} left out (begun before the oldest "
+            "row the data holds)",
             f"  env               {self.env or 'none recorded (recover_environment() fails)'}",
             f"  path              {self.path}",
         ]
@@ -511,6 +518,7 @@ def _arrays(rows: TensorDictBase) -> dict:
         "truncated": trunc,
         "end": end,
         "traj": None if (traj := rows.get(TRAJ, None)) is None else traj.reshape(n).numpy(),
+        "start": flag(("is_init",)),  # a collector's mark of an episode's first step
     }
 
 
@@ -559,10 +567,23 @@ def _episodes(arrays: dict, env_of: np.ndarray, lost_final: str, unfinished: str
             linked &= traj[1:] == traj[:-1]
         cut = np.flatnonzero(end[:-1] | ~linked)
         parts = np.split(pos, cut + 1)
+        if _begun_before(arrays["start"], parts[0][0], done.audit.wrapped):
+            done.started_before += 1
+            done.steps_left_out += len(parts[0])
+            parts = parts[1:]
         for i, rows in enumerate(parts):
             trailing = i == len(parts) - 1
             out.extend(_episode(int(e), rows, trailing, arrays, lost, lost_final, unfinished, done))
     return out
+
+
+def _begun_before(start: np.ndarray | None, first: int, wrapped: bool) -> bool:
+    """Whether an env's first episode in the data began before its first row.
+
+    A row marked ``is_init`` begins one; without the mark, a buffer that
+    wrapped has overwritten the start of each env's first episode.
+    """
+    return bool(not start[first]) if start is not None else wrapped
 
 
 def _episode(env, rows, trailing, arrays, lost, lost_final, unfinished, done) -> list:
