@@ -344,13 +344,17 @@ def test_wrapped_joint_reset_buffer_when_the_audit_is_unsure(tmp_path, monkeypat
     assert s["rows_out"] == len(done.rows) and s["reset_rows_dropped"] > 0  # the rest cleaned
 
 
-@pytest.mark.parametrize("capacity", [10_000, 250], ids=["whole", "wrapped"])
+@pytest.mark.parametrize(
+    "capacity", [10_000, 250, 232], ids=["whole", "wrapped", "wrapped at reset rows"]
+)
 def test_raw_gymnasium_next_step_loop(capacity):
     """A raw next-step loop whose rows ([E] per step) were extended into a
     plain buffer: runs of one row; 250 slots wrap in the middle of a step.
     Bugs caught: T = 1 data taken as one stream, the raw loop's terminal
     observation (stored twice) taken for a same-step artifact, the rows of
-    a wrapped buffer given to the wrong envs.
+    a wrapped buffer given to the wrong envs, and (232 slots: three envs'
+    oldest rows are reset rows whose done rows were overwritten) an audit
+    that counts fewer reset rows than the clean drops.
     """
     name, kwargs, policy = ENVS["CartPole-terminates"]
     rb = ReplayBuffer(storage=LazyTensorStorage(capacity))
@@ -364,7 +368,11 @@ def test_raw_gymnasium_next_step_loop(capacity):
     assert report.wrapped == wrapped and report.head == (capacity % E if wrapped else 0)
     if not wrapped:
         assert report.reset_rows == stats["reset_rows_dropped"] > 0
-    _assert_streams(cleanbuf.clean(rb), want, suffix=wrapped)
+    rows, cleaned = cleanbuf.clean(rb, return_stats=True)
+    # the audit counts every reset row the clean drops, those at a wrapped env's oldest row too
+    assert report.reset_rows + report.orphan_reset_rows == cleaned["reset_rows_dropped"]
+    assert report.orphan_reset_rows == cleaned["orphan_reset_rows"] == (3 if capacity == 232 else 0)
+    _assert_streams(rows, want, suffix=wrapped)
 
 
 def test_clean_data_audits_clean(tmp_path):

@@ -99,6 +99,10 @@ class Report:
             observations (TorchRL's joint reset).
         confidence: ``"high"``, ``"medium"`` or ``"low"``, with ``why``.
         episodes: done rows. reset_rows: reset rows (next-step).
+        orphan_reset_rows: reset rows at the oldest row of an env of a
+            buffer that wrapped, whose done row was overwritten (next-step
+            data read with high confidence: reward 0, not done); a clean
+            drops them too.
         next_obs_zero, next_obs_nan: done rows whose next observation is all
             zeros / has NaN. next_obs_is_reset: done rows whose next
             observation is the next episode's first one (same-step).
@@ -160,6 +164,7 @@ class Report:
     shape: Shape = dataclasses.field(default_factory=Shape)
     joint_steps: int = 0
     trailing: int = 0
+    orphan_reset_rows: int = 0
     linked: bool = False
     python: str | None = None
     details: list = dataclasses.field(default_factory=list, repr=False)
@@ -173,7 +178,9 @@ class Report:
         observation. NaN next observations are marked lost already (what
         ``cleanbuf clean`` leaves), so they do not count.
         """
-        return self.reset_rows + self.next_obs_zero + self.next_obs_is_reset
+        return (
+            self.reset_rows + self.orphan_reset_rows + self.next_obs_zero + self.next_obs_is_reset
+        )
 
     @property
     def lost(self) -> int:
@@ -283,7 +290,13 @@ class Report:
             + (", joint resets" if self.joint_reset else "")
             + f" ({self.confidence} confidence: {self.why})",
             f"  episode ends      {self.episodes}",
-            f"  reset rows        {self.reset_rows}",
+            f"  reset rows        {self.reset_rows}"
+            + (
+                f" (and {self.orphan_reset_rows} at an env's oldest row, whose done row the "
+                "wrapped buffer overwrote)"
+                if self.orphan_reset_rows
+                else ""
+            ),
             f"  next obs zeros    {self.next_obs_zero}",
             f"  next obs NaN      {self.next_obs_nan}",
             f"  next obs = reset  {self.next_obs_is_reset}",
@@ -555,6 +568,10 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
     joint_steps = _joint_steps(done, reward, streams, per_env) if aligned else 0
     mode, joint, confidence, why = _verdict(totals, joint_steps)
     reset_rows = totals.get("reset", 0) if mode == "next_step" else 0
+    orphans = 0
+    if ds.wrapped and mode == "next_step" and confidence == "high":
+        firsts = np.array([p[0] for p in per_env if len(p)], np.int64)
+        orphans = int(np.count_nonzero((reward[firsts] == 0) & ~done[firsts]))
     found = dict(
         envs=streams.envs,
         # (a rectangle's steps from its shape; env ids read from flat rows tell none)
@@ -577,6 +594,7 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
         step_count_wrong=totals.get("step_count_wrong"),
         joint_steps=joint_steps,
         trailing=totals.get("trailing", 0),
+        orphan_reset_rows=orphans,
     )
     report = Report(**{**base, **found})
     report.details = [(positions, *detail) for positions, detail in zip(per_env, details)]
