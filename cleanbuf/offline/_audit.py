@@ -99,10 +99,10 @@ class Report:
             observations (TorchRL's joint reset).
         confidence: ``"high"``, ``"medium"`` or ``"low"``, with ``why``.
         episodes: done rows. reset_rows: reset rows (next-step).
-        orphan_reset_rows: reset rows at the oldest row of an env of a
-            buffer that wrapped, whose done row was overwritten (next-step
-            data read with high confidence: reward 0, not done); a clean
-            drops them too.
+        orphan_rows: the positions of the reset rows at the oldest row of
+            an env of a buffer that wrapped, whose done row was overwritten
+            (next-step data read with high confidence: reward 0, not done);
+            ``cleanbuf clean`` drops them. ``orphan_reset_rows`` counts them.
         next_obs_zero, next_obs_nan: done rows whose next observation is all
             zeros / has NaN. next_obs_is_reset: done rows whose next
             observation is the next episode's first one (same-step).
@@ -164,10 +164,17 @@ class Report:
     shape: Shape = dataclasses.field(default_factory=Shape)
     joint_steps: int = 0
     trailing: int = 0
-    orphan_reset_rows: int = 0
+    orphan_rows: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, np.int64), repr=False
+    )
     linked: bool = False
     python: str | None = None
     details: list = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def orphan_reset_rows(self) -> int:
+        """Reset rows at a wrapped buffer's oldest rows (see ``orphan_rows``)."""
+        return len(self.orphan_rows)
 
     @property
     def artifacts(self) -> int:
@@ -247,9 +254,10 @@ class Report:
     def to_dict(self) -> dict:
         """The report as plain values (what ``--json`` prints)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        del out["details"]
+        del out["details"], out["orphan_rows"]
         out["shape"] = dataclasses.asdict(self.shape)
         out.update(
+            orphan_reset_rows=self.orphan_reset_rows,
             artifacts=self.artifacts,
             lost=self.lost,
             lost_for_good=self.lost_for_good,
@@ -568,10 +576,10 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
     joint_steps = _joint_steps(done, reward, streams, per_env) if aligned else 0
     mode, joint, confidence, why = _verdict(totals, joint_steps)
     reset_rows = totals.get("reset", 0) if mode == "next_step" else 0
-    orphans = 0
+    orphans = np.zeros(0, np.int64)
     if ds.wrapped and mode == "next_step" and confidence == "high":
         firsts = np.array([p[0] for p in per_env if len(p)], np.int64)
-        orphans = int(np.count_nonzero((reward[firsts] == 0) & ~done[firsts]))
+        orphans = firsts[(reward[firsts] == 0) & ~done[firsts]]
     found = dict(
         envs=streams.envs,
         # (a rectangle's steps from its shape; env ids read from flat rows tell none)
@@ -594,7 +602,7 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
         step_count_wrong=totals.get("step_count_wrong"),
         joint_steps=joint_steps,
         trailing=totals.get("trailing", 0),
-        orphan_reset_rows=orphans,
+        orphan_rows=orphans,
     )
     report = Report(**{**base, **found})
     report.details = [(positions, *detail) for positions, detail in zip(per_env, details)]

@@ -37,7 +37,6 @@ from cleanbuf.offline._formats import (
     Dataset,
     Shape,
     Writer,
-    done_of,
     output_format,
     read,
 )
@@ -299,7 +298,7 @@ def _clean(ds: Dataset, report: Report, streams, opts: dict, writer, bar) -> dic
             # shows only in the reward signature, which the audit doubts.
             lo, hi = streams.head, n - streams.tail
     if ds.wrapped and (lo, hi) == (0, n):
-        orphans = _orphans(ds, report, positions)
+        orphans = report.orphan_rows
         cleaner.expect_reset_rows(env_of[orphans])
         stats["orphan_reset_rows"] = len(orphans)
     size = streams.steps * streams.envs
@@ -390,26 +389,6 @@ def _row_bytes(ds: Dataset) -> int:
     """The bytes of one row, every key."""
     leaves = ds.data.values(True, True)
     return sum(leaf[(0,) * ds.data.batch_dims].nbytes for leaf in leaves)
-
-
-def _orphans(ds: Dataset, report: Report, positions: list) -> np.ndarray:
-    """Reset rows that start a wrapped buffer's stream: their done row was overwritten.
-
-    The first row of an env's rows, next-step data, reward 0 and not done,
-    when other rows rarely have reward 0 (the audit's confidence is high).
-    """
-    out: list[int] = []
-    if report.mode != "next_step" or report.confidence != "high":
-        return np.asarray(out, np.int64)
-    for pos in positions:
-        if not len(pos):
-            continue
-        row = ds.rows(pos[:1])
-        keys = {_tuple(k) for k in row.keys(True, True)}
-        done = done_of(keys, lambda k, row=row: row.get(k).numpy(), 1)  # or of the flags
-        if float(row["next", "reward"].reshape(-1)[0]) == 0 and not bool(done.any()):
-            out.append(int(pos[0]))
-    return np.asarray(out, np.int64)
 
 
 def _tuple(key: Any) -> tuple:
