@@ -759,8 +759,9 @@ def read(path: str, shape: Shape | None = None) -> Dataset:
             if marked["env"] is not None:  # written by cleanbuf clean: its env marks say
                 return dataclasses.replace(ds, **marked)
             if shape != Shape() and ds.data.batch_dims == 1:
-                # Rows told how to read (--layout, --envs, --key): in the order written.
-                rows = ds.data[torch.as_tensor(ds.order)]
+                # Rows told how to read (--layout, --envs, --key): in the order written
+                # (the filled slots as they are, or a wrapped buffer's from its oldest).
+                rows = ds.data[torch.as_tensor(ds.order)] if ds.wrapped else ds.data
                 told = from_tensordict(path, DUMP, rows, shape)
                 return dataclasses.replace(told, capacity=ds.capacity, wrapped=ds.wrapped)
             return ds
