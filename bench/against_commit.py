@@ -4,9 +4,10 @@
 ``clean``, ``step``, ``wide``, ``repair``; all by default) extracts
 ``cleanbuf/`` of ``COMMIT`` with ``git archive`` into a temporary
 directory, renamed to the package ``cleanbuf_at_commit``, imports it beside
-this tree's ``cleanbuf``, and calls both cleaners (the filter's engine, or
-``RolloutRepair``) directly, without a buffer, on the same chained batches
-(``bench.run.chained``): blocks of 20 calls each, the order swapping every
+this tree's ``cleanbuf``, and calls both cleaners (the filter's ``inv``,
+TorchRL's entry point of a write, or ``RolloutRepair``) directly, without a
+buffer, on the same chained batches (``bench.run.chained``, device
+declared): blocks of 20 calls each, the order swapping every
 block. It prints each one's median time per call and the median of the
 per-block ratios new / old. Run to run the machine's speed moves by more
 than the changes it measures; within one process both see the same machine.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.run import TRAJ_IDS, chained
+from bench.run import chained, steps_of
 
 NAME = "cleanbuf_at_commit"
 
@@ -52,20 +53,19 @@ def extract(commit: str, where: Path) -> None:
 def batches(case: str, count: int) -> tuple[list, dict]:
     """The case's batches and the filter's options."""
     if case in ("step", "wide"):
-        envs = 16 if case == "step" else 4096
-        drop = ("is_init", "step_count", ("next", "step_count"), TRAJ_IDS)
-        steps = chained("mujoco", 0.02, envs, count, 1, drop=drop)[0]
-        return [steps[:, t].clone() for t in range(count)], {"layout": "step"}
+        return steps_of(16 if case == "step" else 4096, count), {"layout": "step"}
     if case == "repair":
         return chained("mujoco", 0.02, 4, 128, count), {}
     return chained("mujoco", 0.0 if case == "clean" else 0.02, 8, 128, count), {}
 
 
 def cleaner(package, case: str, options: dict):
-    """What the case calls: the filter's engine, or a repair."""
+    """What the case calls: the filter's ``inv`` (public, whatever the engine's
+    insides are called at either commit), or a repair.
+    """
     if case == "repair":
         return package.RolloutRepair()
-    return package.AutoresetFilter(**options)._engine
+    return package.AutoresetFilter(**options).inv
 
 
 def compare(old, new, case: str, block: int = 20) -> tuple[float, float, float]:

@@ -19,7 +19,7 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.envs import GymEnv
 from torchrl.envs.utils import RandomPolicy
 
-from cleanbuf.offline.cli import main as cli
+from cleanbuf.check.cli import main as cli
 
 
 def dump(path: str) -> None:

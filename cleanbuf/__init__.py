@@ -21,13 +21,17 @@ The public API:
   masked), so that GAE and the PPO loss equal the explicit-reset run.
 * :func:`lossless_gym_env`: TorchRL's ``GymEnv(name, num_envs=N)`` on a
   vector env that loses no terminal observation (no filter needed).
+* :class:`LosslessMjlabEnv`: an mjlab env built with ``auto_reset=False``,
+  reset by the wrapper, its terminal observations handed over as mjlab's
+  terminal extras (for :func:`step_rows`).
+* :class:`CompactStorage`: a replay-buffer storage for the filter's rows that
+  keeps each observation once and gives back every next observation exactly.
 * :class:`Options`: the options all of them take, validated and documented.
 * the errors, all ``ValueError`` subclasses.
 """
 
-from cleanbuf._env_check import check
-from cleanbuf._env_check_report import CheckReport
 from cleanbuf._version import __version__ as __version__
+from cleanbuf.check import CheckReport, check
 from cleanbuf.engine._errors import (
     CleanbufError,
     CleanbufWarning,
@@ -42,7 +46,8 @@ from cleanbuf.engine._options import Options
 from cleanbuf.offline import audit
 from cleanbuf.offline._clean import clean
 from cleanbuf.offline._minari import to_minari
-from cleanbuf.online._lossless import lossless_gym_env
+from cleanbuf.online._compact import CompactStorage
+from cleanbuf.online._lossless import LosslessMjlabEnv, lossless_gym_env
 from cleanbuf.online._repair import RolloutRepair
 from cleanbuf.online._rows import step_rows
 from cleanbuf.online._transform import AutoresetFilter
@@ -50,11 +55,13 @@ from cleanbuf.online._transform import AutoresetFilter
 __all__ = [
     "AutoresetFilter",
     "CheckReport",
+    "CompactStorage",
     "CleanbufError",
     "CleanbufWarning",
     "ContinuityError",
     "InputError",
     "LayoutError",
+    "LosslessMjlabEnv",
     "Options",
     "ResetRowError",
     "RolloutRepair",

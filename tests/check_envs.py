@@ -6,6 +6,8 @@ as ``tests.check_envs:...`` from the repository root.
 
 from __future__ import annotations
 
+import os
+
 import gymnasium as gym
 import numpy as np
 import torch
@@ -44,6 +46,35 @@ class RandomWalk(gym.Env):
 def make_walk():
     """A seeded RandomWalk with a 25-step time limit (terminations and truncations)."""
     return gym.wrappers.TimeLimit(RandomWalk(), 25)
+
+
+class Drift(RandomWalk):
+    """The walk without its edges: it never terminates."""
+
+    def step(self, action):
+        obs, reward, _, truncated, info = super().step(action)
+        return obs, reward, False, truncated, info
+
+
+def make_endless_drift():
+    """A Drift without a time limit: no episode ever ends."""
+    return Drift()
+
+
+def make_long_drift():
+    """A Drift with a 400-step time limit: every episode a truncation (as MuJoCo's at 1000)."""
+    return gym.wrappers.TimeLimit(Drift(), 400)
+
+
+def make_noisy_walk():
+    """:func:`make_walk`, saying a line on stderr from below Python each time it is built.
+
+    As MuJoCo's C code does (``settotalmass is deprecated``): written to
+    the file descriptor, not through Python's warnings, and so once per
+    env built.
+    """
+    os.write(2, b"WARNING: a third-party library says this once per env built\n")
+    return make_walk()
 
 
 def make_unseeded_walk():

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -38,12 +39,8 @@ def _loop_rows(steps: int) -> list:
     return rows
 
 
-def test_a_filter_attached_to_a_buffer_holding_rows_warns():
-    """Bug caught: ``rb.append_transform(filt)`` after 60 steps of a raw loop
-    left the 240 rows already stored dirty (reset rows in them) without a
-    word. Now the first write warns, counting them and naming
-    ``cleanbuf.clean(rb)``; the rows written after it are cleaned.
-    """
+def _attached_late():
+    """A raw loop writes 60 steps into a plain buffer, then the filter is attached."""
     rows = _loop_rows(80)
     rb = ReplayBuffer(storage=LazyTensorStorage(1000))
     for td in rows[:60]:
@@ -54,7 +51,7 @@ def test_a_filter_attached_to_a_buffer_holding_rows_warns():
     with pytest.warns(cleanbuf.CleanbufWarning, match=r"already held 240 row\(s\)") as seen:
         rb.extend(rows[60])
     message = str(seen[0].message)
-    assert "cleanbuf.clean(rb)" in message and "append_transform" in message, message
+    assert "rows = cleanbuf.clean(rb[:240], " in message and "append_transform" in message
     assert seen[0].filename == __file__, "the warning names the user's line"
     with warnings.catch_warnings():
         warnings.simplefilter("error", cleanbuf.CleanbufWarning)
@@ -62,6 +59,133 @@ def test_a_filter_attached_to_a_buffer_holding_rows_warns():
             rb.extend(td)
     filt.flush(rb)
     assert filt.stats["rows_in"] == 20 * E
+    return rb, rows, message
+
+
+def test_a_filter_attached_to_a_buffer_holding_rows_warns():
+    """Bug caught: ``rb.append_transform(filt)`` after 60 steps of a raw loop
+    left the 240 rows already stored dirty (reset rows in them) without a
+    word. Now the first write warns, counting them and naming the call
+    that cleans them; the rows written after it are cleaned.
+    """
+    _attached_late()
+
+
+def test_the_late_attachment_fix_runs_as_printed():
+    """Bug caught: after ``rb.append_transform(filt)`` mid-collection the
+    warning said ``Clean them with rows = cleanbuf.clean(rb)``, which raised
+    ``InputError <a temporary directory>/dump: cannot tell which env each
+    row came from ... --layout ...`` (the buffer mixes rows written before
+    and after the filter), and ``layout="flat"``, ``envs=8`` or
+    ``"time_first"`` gave the same. Now the fix names the rows left dirty,
+    runs as printed, and gives the explicit-reset run's rows (the raw loop
+    stores its terminal observations, so nothing is lost); ``clean(rb)`` of
+    the mixed buffer says why in Python terms, with the same fix, never a
+    temporary path nor a command-line flag; and a Python caller's
+    cannot-tell error names Python options, never the dump it read.
+    """
+    rb, rows, message = _attached_late()
+    fix = re.search(r"(rows = cleanbuf\.clean\(rb\[:240\], layout=\"flat\"\))", message)
+    assert fix, message
+    scope = {"cleanbuf": cleanbuf, "rb": rb}
+    exec(fix[1], scope)
+    cleaned = scope["rows"]
+    truth = _explicit_reset_rows(60)
+    for e in range(E):  # per env, the cleaned rows: the explicit-reset run's first ones
+        got = cleaned[cleaned["env_id"] == e]
+        want = truth[:, e][: len(got)]
+        assert len(got) >= 50
+        for key in (("next", "observation"), "observation", ("next", "reward"), ("next", "done")):
+            assert (got[key] == want[key]).all(), (e, key)
+    for options in ({}, {"layout": "flat"}, {"layout": "flat", "envs": E}):
+        with pytest.raises(cleanbuf.InputError) as err:
+            cleanbuf.clean(rb, **options)
+        said = str(err.value)
+        assert "240 row(s) written before its AutoresetFilter was attached" in said, said
+        assert "--" not in said and "/tmp" not in said and "dump" not in said, said
+        assert fix[1] in said, said  # the same fix, which ran above
+
+
+def test_a_python_caller_s_layout_error_names_python_options():
+    """Bug caught: ``cleanbuf.clean(rb)`` of rows that do not chain said
+    ``<a temporary directory>/dump: ... --layout ...``: a path the user
+    never made, and flags a Python caller cannot pass.
+    """
+    import torch
+
+    rows = torch.cat(_loop_rows(30))
+    rows = rows[torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))]
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000))
+    rb.extend(rows.exclude("env_id"))
+    with pytest.raises(cleanbuf.InputError) as err:
+        cleanbuf.clean(rb)
+    said = str(err.value)
+    assert said.startswith("ReplayBuffer(LazyTensorStorage(1000)): cannot tell"), said
+    assert "--" not in said and "/tmp" not in said and "dump" not in said, said
+    assert "layout=" in said or "stream_key=" in said, said
+
+
+def _explicit_reset_rows(steps: int):
+    """The same raw loop with explicit resets (the oracle), ``[T, E]``."""
+    import torch
+
+    name, kwargs, policy = ENVS["CartPole-terminates"]
+    venv, rows = run_loop(name, kwargs, policy, E, steps, gym.vector.AutoresetMode.DISABLED)
+    venv.close()
+    return torch.stack(rows, 0)
+
+
+def test_the_list_error_fix_runs_as_printed():
+    """Bug caught: ``rb.extend([td, td])`` said ``Fix: wrap it
+    (tensordict.TensorDict(data, batch_size=[E, T]))``, which fails inside
+    tensordict for a list. Now the fix fits what the list holds (steps
+    ``[E]``: ``torch.stack(data, dim=1)``; ``[E, T]`` batches: each in
+    turn, or ``torch.cat(data, dim=-1)``) and each runs as printed, storing
+    what the filter stores from the same rows written one by one.
+    """
+    import torch
+    from tensordict import TensorDict
+
+    steps = _loop_rows(40)
+
+    def buffer(layout=None):
+        filt = cleanbuf.AutoresetFilter("next_step", layout=layout)
+        return ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt), filt
+
+    want_rb, want_filt = buffer("step")
+    for td in steps:
+        want_rb.extend(td)
+    want_filt.flush(want_rb)
+    want = want_rb[: len(want_rb)]
+    for data in (steps, [torch.stack(steps[:20], 1), torch.stack(steps[20:], 1)]):
+        rb, filt = buffer()
+        with pytest.raises(cleanbuf.InputError) as err:
+            rb.extend(data)
+        fixes = re.findall(r"(rb\.extend\(torch\.\w+\(data, dim=-?1\)\)|for td in data: "
+                           r"rb\.extend\(td\))", str(err.value))  # fmt: skip
+        assert fixes and "Nothing was written" in str(err.value), str(err.value)
+        assert len(rb) == 0
+        for fix in fixes:
+            rb, filt = buffer()
+            exec(fix, {"rb": rb, "data": data, "torch": torch})
+            filt.flush(rb)
+            got = rb[: len(rb)]
+            assert len(got) == len(want), fix
+            for e in range(E):
+                a, b = got[got["env_id"] == e], want[want["env_id"] == e]
+                assert (a["next", "observation"] == b["next", "observation"]).all(), fix
+    batch = torch.stack(steps, 1)
+    data = {"observation": batch["observation"], "next": batch["next"].to_dict()}
+    rb, _ = buffer()
+    with pytest.raises(cleanbuf.InputError) as err:
+        rb.extend(data)
+    fix = re.search(r"(rb\.extend\(tensordict\.TensorDict\(data, batch_size=\[4, 40\]\)\))",
+                    str(err.value))  # fmt: skip
+    assert fix, str(err.value)
+    import tensordict
+
+    exec(fix[1], {"rb": rb, "data": data, "tensordict": tensordict})
+    assert len(rb) > 0 and isinstance(rb[:1], TensorDict)
 
 
 def test_a_filter_attached_to_a_buffer_of_collector_chunks_is_refused():
@@ -180,3 +304,64 @@ def test_the_exit_check_says_each_filter_once():
         import gc
 
         gc.collect()
+
+
+def _collected_through_the_filter(env, **flush_options):
+    """The README's pattern: ``Collector(env, ..., replay_buffer=rb)``, 7 batches
+    of ``[4, 16]``, then ``filt.flush(rb, **flush_options)``; the warnings it gave.
+    """
+    filt = cleanbuf.AutoresetFilter.for_env(env)
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000), transform=filt)
+    collect(env, 64, 448, replay_buffer=rb)
+    held = filt.stats["rows_held"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        filt.flush(rb, **flush_options)
+    seen = [w for w in seen if issubclass(w.category, cleanbuf.CleanbufWarning)]
+    return rb, filt, held, seen
+
+
+def test_a_flush_that_stores_lost_terminal_observations_warns():
+    """TorchRL's ``GymEnv("CartPole-v1", num_envs=4)`` (seed 0, push left):
+    envs 1 and 2 end on the 448th frame's step, alone (no joint reset), so
+    their done rows (next observation zero-filled by TorchRL) are held for
+    reset rows that are never collected. Bug caught: ``filt.flush(rb)``
+    stored them with a NaN next observation without a word, while the same
+    loss from a joint reset warns. Now it warns, with the count, at the
+    user's line; the fixes it prints run as printed: ``filt.flush(rb,
+    on_lost_terminal_obs='drop')`` stores no such row (and says nothing),
+    ``cleanbuf.lossless_gym_env(name, num_envs)`` loses none.
+    """
+    env = make_env("CartPole-v1", E)
+    try:
+        rb, filt, held, seen = _collected_through_the_filter(env)
+    finally:
+        env.close()
+    lost = filt.stats["terminal_obs_missing"]
+    assert held == 2 and lost == 2, (held, filt.stats)  # precondition: two held done rows
+    assert len(seen) == 1, [str(w.message) for w in seen]
+    message = str(seen[0].message)
+    assert message.startswith("2 row(s) stored by filt.flush(rb) lost their terminal"), message
+    assert seen[0].filename == __file__, "the warning names the user's line"
+    rows = rb[: len(rb)]
+    nan = rows["next", "observation"].isnan().any(-1)
+    assert int(nan.sum()) == 2 and rows["next", "done"][nan].all()
+
+    assert "filt.flush(rb, on_lost_terminal_obs='drop')" in message
+    env = make_env("CartPole-v1", E)
+    try:
+        rb, filt, _, seen = _collected_through_the_filter(env, on_lost_terminal_obs="drop")
+    finally:
+        env.close()
+    assert not seen and filt.stats["lost_rows_dropped"] == 2
+    assert not rb[: len(rb)]["next", "observation"].isnan().any()
+
+    assert "cleanbuf.lossless_gym_env(name, num_envs)" in message
+    env = cleanbuf.lossless_gym_env("CartPole-v1", num_envs=E)
+    env.set_seed(0)
+    try:
+        rb, filt, _, seen = _collected_through_the_filter(env)
+    finally:
+        env.close()
+    assert not seen and filt.stats["terminal_obs_missing"] == 0
+    assert not rb[: len(rb)]["next", "observation"].isnan().any()

@@ -324,14 +324,74 @@ def test_a_broken_cleaning_exits_1_with_a_reproducer_that_replays(tmp_path, caps
     assert "Prefer gym-next-step" not in out  # a producer that differs is never advised
 
 
-def test_a_run_with_no_episode_end_in_env_0():
-    """Bug caught: a short smoke run (or a fixed-horizon env with fewer
-    steps than its horizon), where env 0 never ends an episode, crashing
-    with a raw reshape error instead of comparing the rows.
+def test_a_run_with_no_episode_end_gives_no_verdict(capsys):
+    """Bug caught: ``cleanbuf check HalfCheetah-v5`` (300 steps, episodes of
+    1000) compared rows that held no episode end and answered "Prefer
+    gym-next-step, gym-same-step, torchrl-gymenv, ...: nothing stored wrong",
+    exit 0. Here an env that never ends (no time limit): the truth is run
+    longer within the time budget, then the check exits 3, compares
+    nothing, says which envs ended no episode and the settings that show
+    them; the printed fix runs as printed and gives a verdict on ends.
     """
-    report = cleanbuf.check("Pendulum-v1", producers="gym-next-step", num_envs=2, steps=50)
-    assert report.status == 0 and report.truth_episode_ends == 0
-    assert report.producers[0].rows == 100 and report.producers[0].differ == 0
+    args = ["check", "tests.check_envs:make_endless_drift", "--producer", "gym-next-step"]
+    status = main([*args, "--time-budget", "1", "--no-progress"])
+    out = capsys.readouterr().out
+    assert status == 3, out
+    said = " ".join(out.split())  # (the prose is wrapped)
+    assert "NO VERDICT" in said and "env(s) [0, 1, 2, 3] of the truth ended no episode" in said
+    assert "Prefer" not in said and "Exit 0" not in said and "rows differ" not in said, out
+    report = cleanbuf.check("tests.check_envs:make_endless_drift", time_budget=0)
+    assert report.status == 3 and not report.producers and report.truth_episode_ends == 0
+    fix = re.search(r"(--max-episode-steps \d+)", said)
+    assert fix and "max_episode_steps=75" in said, said
+    assert main([*args, *fix[1].split(), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "Exit 0" in out and "(0 truncations" not in out, out
+
+
+def test_a_time_limit_longer_than_the_run_is_reached():
+    """A drift that ends only at its 400-step time limit (as MuJoCo's tasks
+    at 1000), checked with the default 300 steps. Bug caught: no episode
+    end in the truth, every producer "preferred", among them TorchRL's
+    GymEnv, which loses every terminal observation of such a task. Now the
+    truth runs past the limit, every env truncates, and the loss shows.
+    """
+    report = cleanbuf.check(
+        "tests.check_envs:make_long_drift", producers="gym-next-step,torchrl-gymenv"
+    )
+    assert report.status == 0 and report.steps_asked == 300 and report.steps > 400, str(report)
+    assert report.truth_truncations == report.truth_episode_ends == 4
+    by = {p.producer: p for p in report.producers}
+    assert by["torchrl-gymenv"].lost == 4 and by["gym-next-step"].reset_rows == 4
+    text = " ".join(str(report).split())
+    assert "300 asked: run until every env ended an episode" in text
+    assert "Prefer gym-next-step: cleaned" in text and "Prefer gym-next-step, torchrl" not in text
+
+
+def test_a_time_limit_not_reached_is_said():
+    """Bug caught: a run of CartPole (time limit 500) whose random episodes
+    all terminate early said "0 truncations" as if truncations had been
+    checked. Now the truth line says the time limit was never reached.
+    """
+    report = cleanbuf.check("CartPole-v1", producers="gym-next-step", steps=60)
+    assert report.status == 0 and report.time_limit == 500 and report.truth_truncations == 0
+    assert "(0 truncations: time limit 500 never reached)" in " ".join(str(report).split())
+
+
+@pytest.mark.slow  # MuJoCo: 1001 steps of HalfCheetah per producer
+def test_halfcheetah_default_run_reaches_its_episode_ends():
+    """The issue's example: ``cleanbuf check HalfCheetah-v5`` with its
+    defaults. Bug caught: 300 steps of 1000-step episodes, 0 episode ends,
+    every producer recommended, exit 0. Now the truth runs past the time
+    limit: every env truncates, and TorchRL's GymEnv loses each terminal
+    observation (joint resets), which the report says.
+    """
+    pytest.importorskip("mujoco")
+    report = cleanbuf.check("HalfCheetah-v5", producers="gym-next-step,torchrl-gymenv")
+    assert report.status == 0 and report.steps > 1000 and report.truth_truncations == 4
+    by = {p.producer: p for p in report.producers}
+    assert by["torchrl-gymenv"].lost == 4, str(report)
+    assert "lost for good" in str(report)
 
 
 def test_a_factory_name_that_is_wrong_says_what(tmp_path, monkeypatch, capsys):
@@ -384,6 +444,64 @@ def test_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     assert all(c in out for c in ("check", "audit", "clean"))
     assert main(["audit", "no/such/file.npz"]) == 2
+
+
+def _check_stderr(*args: str) -> subprocess.CompletedProcess:
+    """``python -m cleanbuf check ...`` in a fresh process (stderr as a terminal user sees it)."""
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    argv = [sys.executable, "-m", "cleanbuf", "check", *args, "--no-progress"]
+    return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def test_a_third_party_line_said_per_env_is_shown_once():
+    """Bug caught: ``cleanbuf check`` on a MuJoCo env printed 34 identical
+    ``settotalmass is deprecated`` lines (from C, once per sub-env built)
+    before its table. Here a factory says a line the same way each time it
+    is built: it is shown once, with its count, and the table follows.
+    """
+    done = _check_stderr("tests.check_envs:make_noisy_walk", "--steps", "60")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "once per env built" in line]
+    assert len(lines) == 1, done.stderr
+    said = int(re.search(r"\[said (\d+) times, shown once\]", lines[0])[1])
+    assert said > 4 * 5, lines  # (the truth's envs, twice, and each producer's)
+    assert "Verdict" in done.stdout and "once per env built" not in done.stdout
+
+
+@pytest.mark.slow  # MuJoCo
+def test_mujoco_s_deprecation_line_is_shown_once():
+    """The issue's case: HalfCheetah-v5's ``settotalmass is deprecated``,
+    once per sub-env built (34 lines before the table), now once.
+    """
+    pytest.importorskip("mujoco")
+    done = _check_stderr("HalfCheetah-v5", "--steps", "60", "--max-episode-steps", "20")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("settotalmass") == 1, done.stderr
+    assert "shown once]" in done.stderr
+
+
+def test_the_plot_legend_does_not_cover_the_title():
+    """Bug caught: in every ``--plot`` the legend was drawn over the title.
+    Now neither box overlaps the other, nor the legend any panel.
+    """
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from cleanbuf.check.plot import figure
+
+    report = cleanbuf.check("CartPole-v1", producers="gym-next-step,torchrl-gymenv", steps=60)
+    fig = figure(report)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        (legend,) = fig.legends
+        box = legend.get_window_extent(renderer)
+        title = fig._suptitle.get_window_extent(renderer)
+        assert not box.overlaps(title), (box, title)
+        for ax in fig.axes:
+            assert not box.overlaps(ax.get_tightbbox(renderer)), ax.get_title()
+    finally:
+        plt.close(fig)
 
 
 def test_plot_draws_a_png(tmp_path):

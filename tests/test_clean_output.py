@@ -27,9 +27,9 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 
 from cleanbuf import InputError
+from cleanbuf.check.cli import main
 from cleanbuf.engine import _write
 from cleanbuf.offline import _clean_files, _formats, audit, clean_dataset
-from cleanbuf.offline.cli import main
 from tests.loops import ENVS, run_loop
 
 E = 8

@@ -53,9 +53,8 @@ def test_the_private_names_are_there():
     storage.set(slice(0, 2), TensorDict({"a": torch.ones(2, 3)}, [2]))
     assert offline_compat.storage_tensors(storage).shape == (8,)  # every slot, not the filled
     rb = ReplayBuffer(storage=storage)
-    assert online_compat.writer_slot(rb) == (0, 8)  # RoundRobinWriter._cursor
-    assert online_compat.storage_leaf(storage, ("a",), torch.tensor([1, 5])).shape == (2, 3)
-    assert online_compat.storage_leaf(storage, ("a",)).shape == (8, 3)  # every slot
+    assert online_compat.reports_writes(rb)  # RoundRobinWriter._mark_update_entities
+    assert rb in online_compat.attached_entities(storage)  # storage._attached_entities
     assert isinstance(storage._len, int)  # online_compat.storage_length
     assert online_compat.storage_length(storage) == len(storage) == 2
     assert online_compat.stored_chunk_shape(storage) is None  # rows, not chunks

@@ -76,8 +76,8 @@ STREAMS["inf"] = _with_values(STREAMS["default"], float("inf"))
 
 def _nan_at_call_ends(stream):
     """NaN in every call's first observations (and the next observations of
-    the call before that lead to them): the rows the filter probes in the
-    buffer to tell a stored write from a failed one.
+    the call before that lead to them): where a stored write were told from a
+    failed one by comparing rows, NaN != NaN would read every write as failed.
     """
     out = [b.clone() for b in stream]
     for i, b in enumerate(out):
@@ -663,14 +663,14 @@ CASES = [
     Case(
         "a plain dict as a postproc",
         _feed(lambda b: b.to_dict()),
-        clear(InputError, "got a dict", "TensorDict(data, batch_size=[E, T])"),
+        clear(InputError, "got a dict", "TensorDict(data, batch_size=[3, 6])"),
         stream="postproc",
         bug="unclear: AttributeError from a dict given to postproc",
     ),
     Case(
         "a list as a postproc",
         _feed(lambda b: [b]),
-        clear(InputError, "got list"),
+        clear(InputError, "got a list of 1 TensorDicts", "torch.cat(data, dim=-1)"),
         stream="postproc",
         bug="a list of batches crashing inside",
     ),

@@ -308,7 +308,7 @@ def test_command_line_export_of_an_npz_file(tmp_path, capsys):
     options not reaching the dataset, an existing id replaced without
     ``--force``, a non-zero exit status on success.
     """
-    from cleanbuf.offline.cli import main
+    from cleanbuf.check.cli import main
 
     name, kwargs, policy = ENVS["CartPole-terminates"]
     oracle = _raw_oracle(name, kwargs, policy)
@@ -345,7 +345,7 @@ def test_missing_extra_names_it(monkeypatch, tmp_path, capsys):
     ``ModuleNotFoundError`` from deep inside, or a traceback on the
     command line.
     """
-    from cleanbuf.offline.cli import main
+    from cleanbuf.check.cli import main
 
     monkeypatch.setitem(sys.modules, "minari", None)  # import minari now raises ImportError
     with pytest.raises(InputError, match=r"pip install 'cleanbuf\[minari\]'"):

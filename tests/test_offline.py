@@ -23,10 +23,10 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 
 import cleanbuf
 from cleanbuf import AutoresetFilter, InputError
+from cleanbuf.check.cli import main
 from cleanbuf.offline import _clean_files, audit, clean_dataset
 from cleanbuf.offline._formats import read
 from cleanbuf.offline._joint import joint_rows
-from cleanbuf.offline.cli import main
 from tests.batches import assert_same_rows
 from tests.loops import ENVS, run_loop
 from tests.oracle import STREAM, collect, make_env, streams_from_rows
@@ -517,7 +517,7 @@ def test_bad_input_leaves_nothing(tmp_path, monkeypatch):
 _UNDER_A_LIMIT = """
 import resource, sys
 import cleanbuf
-from cleanbuf.offline.cli import main
+from cleanbuf.check.cli import main
 
 def vm_data():  # what RLIMIT_DATA counts: private writable memory, not file maps
     with open("/proc/self/status") as f:

@@ -28,8 +28,8 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 import cleanbuf
 from cleanbuf import CleanbufWarning, InputError
+from cleanbuf.check.cli import main
 from cleanbuf.offline import _formats, audit, clean_dataset
-from cleanbuf.offline.cli import main
 from tests.batches import assert_same_rows
 from tests.test_offline import _assert_streams, _collect, _digest, _filtered, _name
 
@@ -153,7 +153,7 @@ def test_a_full_disk_is_an_error_naming_dst_and_the_space_needed(
 
 _CLEAN = """
 import shutil, sys
-from cleanbuf.offline.cli import main
+from cleanbuf.check.cli import main
 if sys.argv[3] == "lie":  # the free space seen before a write, not what is left when writing
     real = shutil.disk_usage
     shutil.disk_usage = lambda p: real(p)._replace(free=1 << 40)
@@ -221,7 +221,7 @@ def test_a_real_full_disk_ends_with_exit_2_and_nothing_left(tmp_path):
 _KILLED = """
 import sys, time
 from cleanbuf.offline import _formats
-from cleanbuf.offline.cli import main
+from cleanbuf.check.cli import main
 
 write = _formats.Writer.write
 

@@ -40,11 +40,11 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 import cleanbuf
+from cleanbuf.check.cli import main
 from cleanbuf.engine import _write
 from cleanbuf.offline import _clean_files, audit, read
 from cleanbuf.offline._formats import Shape
 from cleanbuf.offline._sources import dataset
-from cleanbuf.offline.cli import main
 from tests.loops import ENVS, run_loop
 from tests.oracle import collect, make_env
 

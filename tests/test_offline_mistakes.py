@@ -8,6 +8,7 @@ contradicts, and with the command-line flags that the errors name.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -17,8 +18,8 @@ import numpy as np
 import pytest
 
 import cleanbuf
+from cleanbuf.check.cli import main
 from cleanbuf.offline import read
-from cleanbuf.offline.cli import main
 from tests.rollout_helpers import raw_loop
 
 E, T = 4, 48
@@ -215,3 +216,126 @@ def test_a_rectangle_layout_on_flat_rows_is_said(arrays, tmp_path, capsys, told)
     err = capsys.readouterr().err
     assert "the data is flat rows" in err and "--layout flat" in err, err
     assert main(["audit", path]) == 1  # read from the data, it is audited
+
+
+def _printed_fix(err: str) -> tuple[list, dict]:
+    """The fix a refusal prints, as flags and as Python options: ``Pass --F V (k=v)``."""
+    found = re.search(r"Pass (--[\w-]+) (\S+) \((\w+=[^)]+)\)", err)
+    assert found, err
+    return [found[1], found[2]], eval(f"dict({found[3]})")
+
+
+def _reset_rows_data(raw_mode, limit: int, with_info: bool) -> dict:
+    """A raw CartPole loop (4 envs, 48 steps), saved as ``[T, E]`` arrays."""
+    td = raw_loop(raw_mode, E, T, limit, with_info)
+    keys = [k for k in td.keys(True, True) if k != "env_id"]
+    return {_name(k): td[k].numpy() for k in keys}
+
+
+def _name(key) -> str:
+    return "/".join(key) if isinstance(key, tuple) else key
+
+
+DECLARED = [
+    ("next-step data", "NEXT_STEP", False, "disabled", "next_step"),
+    ("next-step data", "NEXT_STEP", False, "same_step", "next_step"),
+    ("same-step data", "SAME_STEP", True, "next_step", "same_step"),
+    ("same-step data", "SAME_STEP", True, "disabled", "same_step"),
+]
+
+
+@pytest.mark.parametrize(
+    "what, raw_mode, with_info, told, right", DECLARED, ids=[f"{d[1]}-{d[3]}" for d in DECLARED]
+)
+def test_a_declared_mode_the_data_contradicts_is_refused(
+    tmp_path, capsys, what, raw_mode, with_info, told, right
+):
+    """Bug caught: ``cleanbuf clean rollout.npz out.npz --mode disabled`` on
+    data the audit reads as next-step with high confidence printed
+    ``cleaned``, ``reset_rows_dropped 0``, exit 0, with every bogus reward-0
+    row in the output (and ``mode=`` in Python the same). Now: exit 2, one
+    line naming the mode the evidence points to, nothing written; the
+    printed fix runs as printed (flags on the command line, the Python
+    option from Python) and cleans to the explicit-reset run's rows.
+    """
+    data = _reset_rows_data(getattr(gym.vector.AutoresetMode, raw_mode), 12, with_info)
+    report = cleanbuf.audit(data)
+    assert (report.mode, report.confidence) == (right, "high"), str(report)
+    path, dst = _save(tmp_path, "data.npz", data), str(tmp_path / "out.npz")
+    assert main(["clean", path, dst, "--no-progress", "--mode", told]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"--mode {told}" in err and "contradicts" in err and f"reads as {right}" in err, err
+    assert not os.path.exists(dst)
+    flags, kwargs = _printed_fix(err)
+    assert flags == ["--mode", right] and kwargs == {"mode": right}
+    assert main(["clean", path, dst, "--no-progress", *flags]) == 0
+    with pytest.raises(cleanbuf.InputError, match=f"reads as {right}"):
+        cleanbuf.clean(data, mode=told)
+    rows = cleanbuf.clean(data, **kwargs)
+    truth = _reset_rows_data(gym.vector.AutoresetMode.DISABLED, 12, False)
+    for e in range(E):  # each env's cleaned rows: the explicit-reset run's first ones
+        got = rows["next/observation"][rows["_cleanbuf/env"] == e]
+        assert len(got) > T // 2
+        np.testing.assert_array_equal(got, truth["next/observation"][: len(got), e])
+    np.testing.assert_array_equal(np.load(dst)["next/observation"], rows["next/observation"])
+
+
+def test_a_declared_mode_wins_where_the_evidence_cannot_tell(arrays):
+    """Bug caught (the other way): a declared mode refused on thin evidence.
+    Two episode ends are not enough for a high-confidence verdict: the mode
+    the user declares is obeyed, as a declared layout is.
+    """
+    few = {k: a[:13, :2] for k, a in arrays[0].items()}
+    report = cleanbuf.audit(few)
+    assert report.mode == "next_step" and report.confidence != "high", str(report)
+    _, stats = cleanbuf.clean(few, mode="disabled", return_stats=True)
+    assert stats["reset_rows_dropped"] == 0 and stats["rows_out"] == 26
+
+
+def test_joint_reset_declared_on_envs_reset_one_by_one_is_refused(tmp_path, capsys):
+    """A raw next-step loop whose 6-step limit ends every env on the same
+    step: a reset row follows each done row (a raw loop never resets envs
+    together). Bug caught: ``--joint-reset yes`` was obeyed unchecked; it
+    would keep those reset rows as transitions. Now refused in one line
+    naming ``--joint-reset no``, which runs as printed.
+    """
+    data = _reset_rows_data(gym.vector.AutoresetMode.NEXT_STEP, 6, False)
+    report = cleanbuf.audit(data)
+    assert report.separate_steps > 0 and not report.joint_reset, str(report)
+    path, dst = _save(tmp_path, "data.npz", data), str(tmp_path / "out.npz")
+    assert main(["clean", path, dst, "--no-progress", "--joint-reset", "yes"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "reset one by one" in err, err
+    flags, kwargs = _printed_fix(err)
+    assert flags == ["--joint-reset", "no"] and kwargs == {"joint_reset": False}
+    assert main(["clean", path, dst, "--no-progress", *flags]) == 0
+    with pytest.raises(cleanbuf.InputError, match="reset one by one"):
+        cleanbuf.clean(data, joint_reset=True)
+    _, stats = cleanbuf.clean(data, return_stats=True, **kwargs)
+    assert stats["reset_rows_dropped"] == report.reset_rows > 0
+
+
+def test_no_joint_reset_declared_on_envs_reset_together_is_refused():
+    """TorchRL's ``GymEnv(num_envs=4)`` with a 6-step limit: every env ends
+    on the same step and TorchRL resets them together (no reset row).
+    Bug caught: ``joint_reset=False`` was obeyed unchecked, and the next
+    episode's first rows were dropped as reset rows. Now refused, naming
+    ``joint_reset=True``, which runs as printed and equals the filter's rows.
+    """
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    from tests.test_offline import _assert_streams, _collect, _filtered
+
+    _, batches = _collect(max_episode_steps=6)
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000))
+    for b in batches:
+        rb.extend(b.reshape(-1))
+    report = cleanbuf.audit(rb)
+    assert report.joint_reset and report.joint_steps > 0 and report.confidence == "high"
+    with pytest.raises(cleanbuf.InputError, match="reset together") as err:
+        cleanbuf.clean(rb, joint_reset=False)
+    assert "\n" not in str(err.value)
+    _, kwargs = _printed_fix(str(err.value))
+    assert kwargs == {"joint_reset": True}
+    _assert_streams(cleanbuf.clean(rb, **kwargs), _filtered(batches, joint_reset=True)[0])

@@ -20,8 +20,8 @@ from torchrl.data import LazyMemmapStorage, ReplayBuffer
 
 import cleanbuf
 from cleanbuf import InputError
+from cleanbuf.check.cli import main
 from cleanbuf.offline import audit, clean_dataset
-from cleanbuf.offline.cli import main
 from tests.faults import GC_WARNING
 from tests.test_offline import T, _assert_streams, _collect, _digest, _filtered
 

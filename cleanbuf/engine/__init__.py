@@ -29,6 +29,8 @@ replaces only when it succeeds. The modules, in the order of the step:
   never enters the routing.
 * ``_dicts``: dicts of arrays in and out, the one conversion the repair,
   ``clean`` and ``audit`` share.
+* ``_orientation``: which axis of a 2-D batch is time, from the data: the
+  one detector the filter, the repair and the offline readers share.
 
 Nothing here imports torchrl or knows a file format: the online side
 (``cleanbuf.online``) and the offline side (``cleanbuf.offline``) both feed

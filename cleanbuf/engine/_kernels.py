@@ -480,31 +480,41 @@ def stream_ends(  # noqa: PLR0913 - one pass over every end of a call
 
 
 @njit(cache=True, nogil=True)
-def read_fills(x, rows, floating, zero, nan):
-    """Reads which of ``rows`` a producer filled in: all zeros, or any NaN.
+def read_fills(x, rows, floating, signed, zero, nan):
+    """Reads which of ``rows`` a producer filled in: all zeros, or marked missing.
 
+    Marked missing: any NaN (floating point), or -1 in every element
+    (signed integers: TorchRL's auto-reset fill for integer observations).
     One pass over the bytes of those rows only (the done rows of a call), a
-    row of integers left at its first nonzero element.
+    row of integers left as soon as it can be neither.
 
     Args:
         x: [N, W] the rows' values (one observation key, flattened).
         rows: int64[R] the rows to read.
         floating: ``x`` holds floating-point values (NaN possible).
+        signed: ``x`` holds signed integers (-1 fills possible).
         zero: bool[R], updated in place: cleared where the row holds a
             nonzero element (a row is zero-filled only if every key's is 0).
-        nan: bool[R], updated in place: set where the row holds a NaN.
+        nan: bool[R], updated in place: set where the row is marked missing
+            (a row is marked if any key's is).
     """
     for j in range(rows.shape[0]):
         row = x[rows[j]]
+        minus = signed and row.shape[0] > 0
         for v in row:
             if floating and v != v:
                 nan[j] = True
                 zero[j] = False
+                minus = False
                 break
             if v != 0:
                 zero[j] = False
-                if not floating:
-                    break
+            if minus and v != -1:
+                minus = False
+            if not floating and not zero[j] and not minus:
+                break
+        if minus:
+            nan[j] = True
 
 
 class Selection(NamedTuple):
@@ -643,8 +653,8 @@ def plan_rows(n, steps, stream, done, stored, joint, group, final_ok, final_defa
 
 
 @njit(cache=True, nogil=True)
-def one_pass(n, steps, done, fills, floating, stored, group, final_ok, final_default, reward,
-             restart, terminated, truncated, marks, obs, next_obs, last_next, first_before,
+def one_pass(n, steps, done, fills, floating, signed, stored, group, final_ok, final_default,
+             reward, restart, terminated, truncated, marks, obs, next_obs, last_next, first_before,
              open_before, ends_restart, ids, ids_before, carry, reset_rows, successor, final,
              stitch, hold_done, drop_lost):  # fmt: skip
     """The stream ends, the stored next observations and the plan of a call, in one call.
@@ -661,8 +671,10 @@ def one_pass(n, steps, done, fills, floating, stored, group, final_ok, final_def
         done: bool[N], the rows' done flags.
         fills: [N, W] the observation key's next observations (its dtype,
             booleans as uint8), read on the done rows: zero- or NaN-filled
-            ones are not stored; empty ``[0, 0]`` to take ``stored`` as given.
+            ones, and -1-filled signed integers, are not stored; empty ``[0, 0]`` to
+            take ``stored`` as given.
         floating: ``fills`` holds floating-point values.
+        signed: ``fills`` holds signed integers.
         stored: bool[N] or empty, used where ``fills`` is empty (see
             :func:`plan`). Writeable: the kernel makes one of that type.
         group: as :func:`plan`.
@@ -710,7 +722,7 @@ def one_pass(n, steps, done, fills, floating, stored, group, final_ok, final_def
                     j += 1
             zero = np.ones(n_done, np.bool_)
             nan = np.zeros(n_done, np.bool_)
-            read_fills(fills, done_rows, floating, zero, nan)
+            read_fills(fills, done_rows, floating, signed, zero, nan)
             for j in range(n_done):
                 stored[done_rows[j]] = not (zero[j] or nan[j])
     planned = plan_rows(

@@ -98,6 +98,7 @@ from cleanbuf.engine._keys import (
     without_empty_final_entry,
 )
 from cleanbuf.engine._options import Options
+from cleanbuf.engine._orientation import batch_time_axis
 from cleanbuf.engine._state import Carry
 from cleanbuf.engine._write import SMALL_ROW_BYTES
 
@@ -347,14 +348,44 @@ def joint_rows(options: Options, rows: Views, done: np.ndarray) -> np.ndarray:
     return done & row_flags("joint_key", options.joint_key, rows)
 
 
+def fill_marks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``x`` ``[R, ...]``: all zeros, and marked missing (the producer's fills).
+
+    Marked missing: any NaN (floating point), or -1 in every element
+    (signed integers), as TorchRL fills the next observation it does not
+    have. The rule :func:`stored_rows` reads (there in a numba kernel for
+    narrow rows) and the audit counts.
+
+    Examples:
+        >>> zero, marked = fill_marks(np.array([[0, 0], [-1, -1], [-1, 0], [3, 1]]))
+        >>> zero.tolist(), marked.tolist()
+        ([True, False, False, False], [False, True, False, False])
+        >>> fill_marks(np.array([[0.0, float("nan")]]))[1].tolist()
+        [True]
+        >>> fill_marks(np.zeros((0, 3), np.int64))[1].tolist()  # no done rows
+        []
+    """
+    x = np.asarray(x)
+    x = x.reshape(len(x), int(np.prod(x.shape[1:], dtype=np.int64)))  # -1 fails on 0 rows
+    zero = ~x.any(1) if x.shape[1] else np.ones(len(x), np.bool_)  # (-0.0 is 0; NaN is not)
+    if x.dtype.kind in "fc":
+        marked = np.isnan(x).any(1)
+    elif x.dtype.kind == "i" and x.shape[1]:
+        marked = (x == -1).all(1)
+    else:
+        marked = np.zeros(len(x), np.bool_)
+    return zero & ~marked, marked
+
+
 def stored_rows(rows: Views, obs_keys, done: np.ndarray) -> np.ndarray:
     """Per done row, whether its next observation is stored (read from the data).
 
     A done row's ``("next", k)`` holds its terminal observation unless the
     producer filled it in: zero-filled (every element of every observation
     key exactly 0, as TorchRL's collectors leave a next-step done row) or
-    NaN-filled (any NaN in a floating-point key, TorchRL's mark of a missing
-    next observation). Any other value is stored: it is never replaced and
+    marked missing (any NaN in a floating-point key, or -1 in every element
+    of a signed-integer key: TorchRL's marks of a missing next observation,
+    :func:`fill_marks`). Any other value is stored: it is never replaced and
     never counted as lost. The one ambiguity: a terminal observation that is
     truly 0 in every element reads as zero-filled. Where its reset row
     follows, that row's observation (the same zeros) is written back, so
@@ -387,17 +418,18 @@ def stored_rows(rows: Views, obs_keys, done: np.ndarray) -> np.ndarray:
             filled &= (x == 0).all(1).cpu().numpy()
             if x.is_floating_point():
                 nan |= x.isnan().any(1).cpu().numpy()
+            elif x.is_signed() and x.dtype != torch.bool and x.shape[1]:
+                nan |= (x == -1).all(1).cpu().numpy()
             continue
         x = a.reshape(rows.n_rows, -1)
         floating = x.dtype.kind in "fc"
         if x.shape[1] * x.itemsize <= SMALL_ROW_BYTES and x.dtype != np.float16:  # (numba lacks it)
             read_fills(x.view(np.uint8) if x.dtype == np.bool_ else x, done_rows, floating,
-                       filled, nan)  # fmt: skip
+                       x.dtype.kind == "i", filled, nan)  # fmt: skip
             continue
-        x = x[done_rows]  # wide rows: numpy's vectorized scans
-        filled &= ~x.any(1)  # (-0.0 is 0; NaN is not, and is read below)
-        if floating:
-            nan |= np.isnan(x).any(1)
+        zero, marked = fill_marks(x[done_rows])  # wide rows: numpy's vectorized scans
+        filled &= zero
+        nan |= marked
     out = np.zeros(len(done), np.bool_)
     out[done_rows] = ~(filled | nan)
     return out
@@ -479,53 +511,12 @@ def reset_groups(group: int, n_streams: int, stream_shape: tuple) -> None:
         )
 
 
-def looks_time_first(td: Any, options: Options) -> bool:
-    """Whether a ``[A, B]`` batch read as ``[E, T]`` looks time-first ``[T, E]``.
-
-    Within a stream, a row's next observation is the next row's
-    observation except at episode ends. Read along the last axis (time
-    last, as TorchRL collectors give batches) that chain should hold; when
-    it holds along the first axis instead, the batch is most likely
-    ``[T, E]`` (CleanRL, Stable-Baselines3, a rollout stacked step by
-    step). Only looked at on the way to an error, or on a repair's first
-    batch. Never raises: a batch too odd to tell is not time-first here
-    (the cleaner's own check says what is wrong with it).
-
-    Examples:
-        >>> from tensordict import TensorDict
-        >>> obs = torch.arange(8.0).reshape(4, 2, 1)  # [T=4, E=2]: obs[t + 1] follows obs[t]
-        >>> td = TensorDict({"obs": obs, ("next", "obs"): obs + 2}, batch_size=[4, 2])
-        >>> looks_time_first(td, Options()), looks_time_first(td.transpose(0, 1), Options())
-        (True, False)
-    """
-    if getattr(td, "batch_dims", 0) != 2 or min(td.batch_size) < 2:
-        return False
-    try:
-        leaves = dict(td.items(include_nested=True, leaves_only=True))
-        leaves = {k if isinstance(k, tuple) else (k,): v for k, v in leaves.items()}
-        bookkeeping = {k for k in (options.is_init_key, options.step_count_key) if k}
-        keys, obs_only = observation_keys(leaves, options.observation_keys, bookkeeping)
-        obs, nxt = leaves.get(keys[0]), leaves.get(("next", *keys[0]))
-        if obs_only or obs is None or nxt is None or obs.shape != nxt.shape or obs.is_meta:
-            return False
-        obs, nxt = obs.detach().cpu(), nxt.detach().cpu()
-
-        def chain(a: torch.Tensor, b: torch.Tensor) -> float:
-            same = (a == b).reshape(a.shape[0], a.shape[1], -1).all(-1)
-            return float(same.float().mean())
-
-        along_time, along_envs = chain(nxt[:, :-1], obs[:, 1:]), chain(nxt[:-1], obs[1:])
-    except Exception:  # noqa: BLE001 - too odd to tell
-        return False
-    return along_envs >= 0.5 and along_envs > along_time
-
-
 def time_first_hint(td: Any, options: Options) -> str:
     """The filter's sentence for a batch of inferred layout that looks ``[T, E]``, or "".
 
-    See :func:`looks_time_first`.
+    See :func:`~cleanbuf.engine._orientation.batch_time_axis`.
     """
-    if options.layout is not None or not looks_time_first(td, options):
+    if options.layout is not None or batch_time_axis(td, options) != 0:
         return ""
     a, b = td.batch_size
     return (
@@ -927,7 +918,7 @@ class Reader:
         checked = opts.check_continuity
         rules = call.rules
         ends, planned = one_pass(
-            n, steps, call.done, fills, fills.dtype.kind == "f",
+            n, steps, call.done, fills, fills.dtype.kind == "f", fills.dtype.kind == "i",
             _EMPTY_BOOL if stored is NONE else stored, schema.group,
             NONE if call.final_present is None else call.final_present, bool(call.final_of),
             reward, call.restart, term.reshape(-1) if len(term) else term,

@@ -10,7 +10,7 @@
 
 The command line (``cleanbuf audit PATH``, ``cleanbuf clean SRC DST``,
 ``cleanbuf export SRC DATASET_ID``) is
-:mod:`cleanbuf.offline.cli`.
+:mod:`cleanbuf.check.cli`, with ``cleanbuf check``.
 """
 
 from cleanbuf.offline._audit import Report, audit

@@ -32,11 +32,13 @@ import numpy as np
 
 from cleanbuf.engine._errors import InputError
 from cleanbuf.engine._keys import DONE_KEYS, FINAL_KEYS, may_be_observation
+from cleanbuf.engine._orientation import same_per_row
+from cleanbuf.engine._read import fill_marks
 from cleanbuf.offline._formats import Dataset, Shape, done_of, read
 from cleanbuf.offline._joint import joint_rows
 from cleanbuf.offline._marker import env_if_fresh
 from cleanbuf.offline._sources import dataset
-from cleanbuf.offline._streams import Rows, Streams, recover, same_per_row, stored
+from cleanbuf.offline._streams import Rows, Streams, recover, stored
 
 IN_MEMORY = "torchrl buffer in memory"  # the format of a buffer audited in memory
 BLOCK_BYTES = 2 << 20  # observations read at a time when scanning every row
@@ -78,6 +80,15 @@ def program() -> str:
     return "cleanbuf"
 
 
+# Where NaN marks lost terminal observations (TorchRL's auto-reset fill, or a
+# clean that marked them), what keeps them at the source.
+_KEEP_FINAL_OBS = (
+    "  (producers that keep them: Isaac Lab compute_final_obs=True, mjlab "
+    "capture_terminal_observations=True or cleanbuf.LosslessMjlabEnv, ManiSkill3 "
+    "and Gymnasium SAME_STEP, each read by cleanbuf.step_rows: docs/simulators.md)"
+)
+
+
 @dataclasses.dataclass
 class Report:
     """What :func:`audit` found.
@@ -104,7 +115,8 @@ class Report:
             (next-step data read with high confidence: reward 0, not done);
             ``cleanbuf clean`` drops them. ``orphan_reset_rows`` counts them.
         next_obs_zero, next_obs_nan: done rows whose next observation is all
-            zeros / has NaN. next_obs_is_reset: done rows whose next
+            zeros / is marked missing (a NaN, or -1 in every element of
+            signed integers, as TorchRL fills it). next_obs_is_reset: done rows whose next
             observation is the next episode's first one (same-step).
         recoverable: done rows whose terminal observation a clean restores
             (from the reset row after them).
@@ -130,6 +142,9 @@ class Report:
             so leave the audit undecided (cleaning needs each row's env).
         joint_steps: done rows of steps where every env ended and the
             next step restarted every env (the evidence of joint resets).
+        separate_steps: done rows of steps where every env ended and each
+            env's next row is a reset row (the evidence against joint
+            resets: those envs were not reset together).
         trailing: done rows with no row after them in their env (the end
             of collection): undecided, they are no evidence of anything.
     """
@@ -163,6 +178,7 @@ class Report:
     name_set: str = "torchrl"
     shape: Shape = dataclasses.field(default_factory=Shape)
     joint_steps: int = 0
+    separate_steps: int = 0
     trailing: int = 0
     orphan_rows: np.ndarray = dataclasses.field(
         default_factory=lambda: np.zeros(0, np.int64), repr=False
@@ -323,7 +339,11 @@ class Report:
         if self.clean:
             lines.append("  clean: no auto-reset artifact found")
             if self.next_obs_nan:
-                lines.append(f"  ({self.next_obs_nan} terminal observations marked lost: NaN)")
+                lines.append(
+                    f"  ({self.next_obs_nan} terminal observations marked lost: NaN, or -1 "
+                    "in every element of integer observations)"
+                )
+                lines.append(_KEEP_FINAL_OBS)
         else:
             lines.append(f"  fix: {self.command()}")
             if self.in_memory:
@@ -432,7 +452,7 @@ def stream_positions(streams: Streams, n: int) -> list[np.ndarray]:
 def _ends(rows: Rows, reward: np.ndarray, positions: np.ndarray, details: list, book: dict) -> dict:
     """Counts over the episode ends of one env's rows (time order).
 
-    Every done row's next observation is read (zeros, NaN); those with a
+    Every done row's next observation is read (zeros, NaN or -1 fills); those with a
     row after them are also compared with it (reset row, same-step).
     Appends ``(done rows, followed by a reset row, lost)`` to ``details``.
     ``book`` holds the ``is_init`` / ``step_count`` columns present: the
@@ -441,8 +461,7 @@ def _ends(rows: Rows, reward: np.ndarray, positions: np.ndarray, details: list, 
     done = rows.done
     d = positions[done[positions]]
     flat_next = _flat(rows.next_obs(d))
-    nan = np.isnan(flat_next).any(1) if flat_next.dtype.kind == "f" else np.zeros(len(d), bool)
-    zero = ~nan & (flat_next == 0).all(1)
+    zero, nan = fill_marks(flat_next)  # (nan: marked missing, NaN or TorchRL's -1 fill)
     has_next = np.zeros(len(d), np.bool_)  # the last row of the env has none
     has_next[: len(d) - int(len(positions) and done[positions[-1]])] = True
     after = positions[np.flatnonzero(done[positions[:-1]]) + 1]  # the rows after them
@@ -573,7 +592,8 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
         return Report(**base, undecided=why), streams
     totals, details = _totals(rows, reward, done, per_env, _book(ds))
     aligned = env is None or ds.layout != "flat"  # a step's rows together (a rectangle's)
-    joint_steps = _joint_steps(done, reward, streams, per_env) if aligned else 0
+    steps_all_done = _joint_steps(done, reward, streams, per_env) if aligned else (0, 0)
+    joint_steps, separate_steps = steps_all_done
     mode, joint, confidence, why = _verdict(totals, joint_steps)
     reset_rows = totals.get("reset", 0) if mode == "next_step" else 0
     orphans = np.zeros(0, np.int64)
@@ -601,6 +621,7 @@ def analyse(ds: Dataset) -> tuple[Report, Streams]:
         is_init_wrong=totals.get("is_init_wrong"),
         step_count_wrong=totals.get("step_count_wrong"),
         joint_steps=joint_steps,
+        separate_steps=separate_steps,
         trailing=totals.get("trailing", 0),
         orphan_rows=orphans,
     )
@@ -713,21 +734,25 @@ def _totals(rows: Rows, reward, done, per_env: list, book: dict) -> tuple[dict, 
     return totals, details
 
 
-def _joint_steps(done, reward, streams: Streams, per_env: list) -> int:
-    """Done rows of steps where every env ended and the next step restarted every env.
+def _joint_steps(done, reward, streams: Streams, per_env: list) -> tuple[int, int]:
+    """Done rows of steps where every env ended: ``(restarted together, reset one by one)``.
 
     A joint reset is told only by such a step: every env done, every env
-    with a row after it, and none of those rows a reset row. Done rows at
-    the end of the data have no row after them: no evidence either way.
+    with a row after it, and none of those rows a reset row. The same step
+    with a reset row after each done row shows the envs reset one by one
+    (no joint reset). Done rows at the end of the data have no row after
+    them: no evidence either way.
     """
     if streams.envs < 1:
-        return 0
+        return 0, 0
     joint, _ = joint_rows(done, reward == 0, streams, per_env)
     restarted = np.zeros(len(done), np.bool_)  # a row after it, and not a reset row
+    reset_after = np.zeros(len(done), np.bool_)  # a row after it, a reset row
     for pos in per_env:
         after = pos[1:]
         restarted[pos[:-1]] = (reward[after] != 0) | done[after]
-    return int((joint & restarted).sum())
+        reset_after[pos[:-1]] = (reward[after] == 0) & ~done[after]
+    return int((joint & restarted).sum()), int((joint & reset_after).sum())
 
 
 def _rows(ds: Dataset, key: tuple, done: np.ndarray) -> Rows:

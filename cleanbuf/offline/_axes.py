@@ -5,7 +5,8 @@ Stable-Baselines3 buffers, rollouts: ``layout="time_first"``) or as
 ``[E, T, ...]`` (TorchRL batches: ``layout="time_last"``). Along the time
 axis a row's next observation is the next row's observation, byte for
 byte, except where an episode ended; along the env axis it is not. That
-decides the axis (:func:`time_axis`) when the user does not; where both
+decides the axis (:func:`cleanbuf.engine._orientation.time_axis`, the
+filter's own detector) when the user does not; where both
 or neither axis chains, or no two rows can be compared, nothing is
 decided and the audit says it cannot tell.
 
@@ -18,10 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from cleanbuf.engine._errors import InputError
-from cleanbuf.offline._streams import same_per_row
 
 LAYOUTS = ("time_first", "time_last", "flat")
-CHAINS, BREAKS = 0.9, 0.5  # share of comparable pairs: an axis chains / does not
 
 
 def check_layout(layout: str | None, envs: int | None) -> None:
@@ -40,51 +39,6 @@ def check_layout(layout: str | None, envs: int | None) -> None:
         )
     if envs is not None and int(envs) < 1:
         raise InputError(f"envs={envs!r}: the number of envs must be at least 1.")
-
-
-def _rate(obs: np.ndarray, next_obs: np.ndarray, done: np.ndarray, axis: int) -> tuple[int, int]:
-    """(pairs that chain, pairs compared) along ``axis``; done rows are not compared."""
-    if axis == 0:
-        a, b, d = next_obs[:-1], obs[1:], done[:-1]
-    else:
-        a, b, d = next_obs[:, :-1], obs[:, 1:], done[:, :-1]
-    open_ = ~d.reshape(-1)
-    a = a.reshape(-1, *a.shape[2:])[open_]
-    b = b.reshape(-1, *b.shape[2:])[open_]
-    return int(same_per_row(a, b).sum()), int(open_.sum())
-
-
-def time_axis(obs: np.ndarray, next_obs: np.ndarray, done: np.ndarray) -> tuple[int | None, str]:
-    """The time axis (0 or 1) of ``[A, B, ...]`` arrays, and the evidence.
-
-    Returns:
-        ``(axis, why)``; ``axis`` is None when the data does not tell.
-
-    Examples:
-        >>> t = np.arange(4.0)[:, None] + 100 * np.arange(3.0)  # [T=4, E=3]
-        >>> time_axis(t, t + 1, np.zeros((4, 3), bool))[0]
-        0
-        >>> time_axis(t.T, t.T + 1, np.zeros((3, 4), bool))[0]
-        1
-        >>> time_axis(t[:1], t[:1] + 1, np.zeros((1, 3), bool))[0]  # one step: no chain
-        0
-        >>> print(time_axis(np.zeros((2, 2)), np.zeros((2, 2)), np.zeros((2, 2), bool))[1])
-        both axes chain (2 of 2 and 2 of 2 pairs): constant observations tell no time axis
-    """
-    (m0, n0), (m1, n1) = (_rate(obs, next_obs, done, axis) for axis in (0, 1))
-    pairs = f"{m0} of {n0} and {m1} of {n1} pairs"
-    chains = [n and m / n >= CHAINS for m, n in ((m0, n0), (m1, n1))]
-    breaks = [n and m / n < BREAKS for m, n in ((m0, n0), (m1, n1))]
-    if chains[0] and chains[1]:
-        return None, f"both axes chain ({pairs}): constant observations tell no time axis"
-    for axis in (0, 1):
-        other = 1 - axis
-        n_other = (n0, n1)[other]
-        if chains[axis] and (breaks[other] or not n_other):
-            return axis, f"axis {axis} chains ({pairs} along axes 0 and 1)"
-        if breaks[other] and not (n0, n1)[axis]:  # one step: the other axis is the envs
-            return axis, f"axis {other} does not chain and axis {axis} has one entry"
-    return None, f"neither axis chains clearly ({pairs} along axes 0 and 1)"
 
 
 def flatten(arrays: dict, time: int) -> tuple[dict, np.ndarray, int]:

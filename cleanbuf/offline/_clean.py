@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import os
 import tempfile
@@ -17,7 +18,7 @@ from cleanbuf.engine._cleaner import STAT_NAMES, Cleaner
 from cleanbuf.engine._dicts import slash_named, to_dict, to_tensordict
 from cleanbuf.engine._errors import CleanbufWarning, InputError, lost_message, user_stacklevel
 from cleanbuf.engine._options import Options, keyword_names, refuse_unknown
-from cleanbuf.offline._axes import time_axis
+from cleanbuf.engine._orientation import time_axis
 from cleanbuf.offline._formats import Shape
 from cleanbuf.offline._names import obs_pair, roles
 
@@ -309,9 +310,35 @@ def _stored(data: Any, dst: str | None, options: dict) -> Any:
     from torchrl.data.replay_buffers.storages import Storage
 
     if isinstance(data, (ReplayBuffer, Storage)):
+        from cleanbuf.offline._sources import buffer_name
+
+        _refuse_mixed(data)
+
         with tempfile.TemporaryDirectory(prefix="cleanbuf-") as tmp:
-            return clean_dataset(from_buffer(data, os.path.join(tmp, "dump")), None, **options)
+            ds = from_buffer(data, os.path.join(tmp, "dump"))
+            # (named as the caller knows it: errors never name the temporary dump)
+            ds = dataclasses.replace(ds, path=buffer_name(data))
+            return clean_dataset(ds, None, **options)
     return None
+
+
+def _refuse_mixed(rb: Any) -> None:
+    """Refuses a buffer holding rows written before and after a filter was attached.
+
+    The filter (a transform of ``rb``) counted, at its first write, the
+    rows the buffer already held (``rows_before_attach``): those are raw,
+    the later ones cleaned, and no layout cleans both in one pass. The
+    error names the rows to clean alone, as a call that runs.
+    """
+    transforms = getattr(getattr(rb, "_transform", None), "transforms", ())
+    before = max((int(getattr(t, "rows_before_attach", 0) or 0) for t in transforms), default=0)
+    if before and before < len(rb):
+        raise InputError(
+            f"this buffer holds {before} row(s) written before its AutoresetFilter was attached "
+            f"(not cleaned) and {len(rb) - before} written through it (cleaned): no one layout "
+            f"reads both. Clean the first ones alone: rows = cleanbuf.clean(rb[:{before}], "
+            'layout="flat") (while the buffer has not wrapped).'
+        )
 
 
 def _chosen(arguments: dict) -> dict:

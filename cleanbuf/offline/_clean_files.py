@@ -26,7 +26,7 @@ from tensordict import TensorDictBase
 from cleanbuf.engine._cleaner import STAT_NAMES, Cleaner
 from cleanbuf.engine._errors import InputError
 from cleanbuf.engine._keys import DONE_KEYS, Views, done_flags
-from cleanbuf.engine._options import Options
+from cleanbuf.engine._options import Options, normalize_mode
 from cleanbuf.engine._write import BufferPool
 from cleanbuf.offline._audit import Report, analyse, stream_positions
 from cleanbuf.offline._compat import quiet_torchrl_log
@@ -117,6 +117,7 @@ def clean_dataset(
     force: bool = False,
     progress: bool = False,
     say: Callable[[str], None] | None = None,
+    command_line: bool = False,
     **options: Any,
 ) -> Cleaned:
     """Cleans the dataset at ``src`` into a new one at ``dst``, in the format ``dst`` names.
@@ -146,6 +147,8 @@ def clean_dataset(
             temporary directory a killed run for the same ``dst`` left,
             removed (or, when it cannot be, named). None: a
             :class:`cleanbuf.CleanbufWarning`, for the latter notes.
+        command_line: errors name command-line flags (``cleanbuf clean``)
+            rather than Python options.
         **options: :class:`cleanbuf.AutoresetFilter` options; by default those
             the audit found (``report.options()``); ``joint_reset`` also
             takes ``"yes"``, ``"no"`` and ``"auto"`` (the audit's).
@@ -174,8 +177,10 @@ def clean_dataset(
     ds = src if isinstance(src, Dataset) else read(src, shape)
     if dst is not None:
         _check_apart(ds.path, dst)
-    report, streams = _layout(ds)
-    opts = {**report.options(), **_joint_option(options)}
+    report, streams = _layout(ds, command_line)
+    options = _joint_option(options)
+    check_declared(report, options)
+    opts = {**report.options(), **options}
     writer = Collect(ds.names, ds.casts)
     if dst is not None:
         capacity = _capacity(ds, report, say)
@@ -228,24 +233,117 @@ def _joint_option(options: dict) -> dict:
     return {**options, "joint_reset": words[joint]}
 
 
-def _layout(ds: Dataset) -> tuple[Report, Any]:
-    """The audit and the env layout; an error when the envs cannot be told apart."""
+def _said(option: str, value: Any) -> str:
+    """An option as both callers say it: its flag and its Python keyword.
+
+    Examples:
+        >>> _said("mode", "disabled")
+        "--mode disabled (mode='disabled')"
+        >>> _said("joint_reset", True)
+        '--joint-reset yes (joint_reset=True)'
+    """
+    flag = {True: "yes", False: "no"}.get(value, value)
+    return f"--{option.replace('_', '-')} {flag} ({option}={value!r})"
+
+
+def check_declared(report: Report, options: dict) -> None:
+    """Refuses a declared mode or joint-reset setting that the data contradicts.
+
+    Checked against the evidence the audit read, as a declared layout is:
+    where the audit is sure (high confidence) of another mode, or saw the
+    opposite of the joint-reset setting (a step where every env ended and
+    was reset with it, or one by one with a reset row each), the clean
+    would store wrong rows, so it is refused, naming what the evidence
+    points to. Where the evidence cannot tell, the declared value wins.
+
+    Args:
+        report: the audit of the data.
+        options: the options given (``mode``, ``joint_reset`` as a bool).
+
+    Raises:
+        InputError: one line: what was declared, what the data shows, and
+            the setting it points to (as a flag and as a Python option).
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> seen = SimpleNamespace(source="d.npz", mode="next_step", confidence="high",
+        ...     why="9 of 9 episode ends followed by a reward-0 row", joint_reset=False,
+        ...     joint_steps=0, separate_steps=0)
+        >>> check_declared(seen, {"mode": "next_step"})
+        >>> check_declared(seen, {"mode": "disabled"})
+        Traceback (most recent call last):
+        ...
+        cleanbuf.engine._errors.InputError: d.npz: --mode disabled (mode='disabled') ...
+    """
+    mode = options.get("mode")
+    mode = None if mode is None else normalize_mode(mode)
+    sure = report.confidence == "high" and report.mode in ("next_step", "same_step", "disabled")
+    if mode is not None and sure and mode != report.mode:
+        raise InputError(
+            f"{report.source}: {_said('mode', mode)} says the producer's mode is {mode}, but "
+            f"the data contradicts it: it reads as {report.mode} (high confidence: "
+            f"{report.why}). Pass {_said('mode', report.mode)}, or leave the mode out to read "
+            "it from the data; nothing was written."
+        )
+    joint = options.get("joint_reset")
+    if joint is None or not sure or report.mode != "next_step":
+        return
+    if joint and report.separate_steps:
+        seen = (
+            f"{report.separate_steps} done row(s) of steps where every env ended are each "
+            "followed by a reset row (reward 0, not done): the envs were reset one by one"
+        )
+    elif not joint and report.joint_steps:
+        seen = (
+            f"{report.joint_steps} done row(s) of steps where every env ended are followed by "
+            "the next episode's first row, with no reset row: the envs were reset together"
+        )
+    else:
+        return
+    raise InputError(
+        f"{report.source}: {_said('joint_reset', joint)} contradicts the data: {seen}. Pass "
+        f"{_said('joint_reset', not joint)}, or leave it out to read it from the data; "
+        "nothing was written."
+    )
+
+
+def _layout(ds: Dataset, command_line: bool = False) -> tuple[Report, Any]:
+    """The audit and the env layout; an error when the envs cannot be told apart.
+
+    The error names the options in the caller's terms: flags on the
+    command line, keywords in Python.
+    """
     report, streams = analyse(ds)
     if report.undecided is not None:
+        if command_line:
+            say = (
+                "--layout time_first ([T, E] arrays), --layout time_last ([E, T]) or --layout "
+                "flat --envs N (N envs' rows one env after the other)"
+            )
+        else:
+            say = (
+                'layout="time_first" ([T, E] arrays), layout="time_last" ([E, T]), or '
+                'layout="flat", envs=N (N envs\' rows one env after the other)'
+            )
         raise InputError(
             f"{ds.path}: cannot tell {report.undecided}; so it cannot be cleaned per env. Say "
-            "how the rows are laid out: --layout time_first ([T, E] arrays), --layout "
-            "time_last ([E, T]) or --layout flat --envs N (N envs' rows one env after the "
-            "other); in Python layout= and envs=."
+            f"how the rows are laid out: {say}."
         )
     if not streams.found:
+        how = (
+            "store each row's env index under a key and clean with "
+            "cleanbuf.clean(data, stream_key=KEY) in Python"
+            if command_line
+            else "clean them with cleanbuf.clean(data, stream_key=KEY), KEY a key holding each "
+            "row's env index"
+        )
         raise InputError(
             f"{ds.path}: cannot tell which env each row came from (the rows do not chain "
             "into runs of a fixed length in a fixed env order, as a collector or a "
             "vector-env loop writes them), so they cannot be cleaned per env. Data cleaned "
             "by another tool reads like this (cleanbuf clean stores each row's env with its "
-            "output). Clean such rows with cleanbuf.clean(data, stream_key=KEY) and a key "
-            "holding each row's env index."
+            "output), and so does a buffer holding rows written before and after a filter "
+            f"was attached (clean the rows written before it alone). To clean such rows, {how}."
         )
     return report, streams
 

@@ -33,7 +33,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from cleanbuf.engine._errors import CleanbufError, CleanbufWarning, InputError
 from cleanbuf.engine._keys import DONE_KEYS
-from cleanbuf.offline._axes import check_layout, env_after_env, flatten, time_axis
+from cleanbuf.engine._orientation import time_axis
+from cleanbuf.offline._axes import check_layout, env_after_env, flatten
 from cleanbuf.offline._compat import lay_out, storage_tensors
 from cleanbuf.offline._marker import (
     ENV_ARRAY,
@@ -336,9 +337,53 @@ def _load_memmap(path: str) -> TensorDictBase:
     return data.apply(lambda t: t.as_subclass(torch.Tensor))
 
 
+COMPACT_STATE = "cleanbuf_compact.pt"
+"""In a dump's ``storage/``: a ``cleanbuf.CompactStorage``'s links and side table."""
+
+
+def _next_observations(data: TensorDictBase, path: str) -> TensorDictBase:
+    """A compact storage's rows with each ``("next", k)`` rebuilt, as the storage's ``get`` does.
+
+    A ``cleanbuf.CompactStorage`` dumps each observation once and, in
+    ``path``, per slot a link (``>= 0``: the slot whose observation is this
+    row's next one; ``<= -2``: side-table entry ``-2 - link``; ``-1``: an
+    empty slot) and the side table of next observations, one tensor per
+    observation key.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        keys = [tuple(k) for k in state["observation_keys"] or []]
+        link = state["link"].long() if keys else None
+        side = state["side"]
+    except Exception as err:
+        raise InputError(
+            f"{path}: the links of a cleanbuf.CompactStorage dump, not readable "
+            f"({type(err).__name__}: {err}). Dump the buffer again (rb.dumps)."
+        ) from err
+    data = data.clone(recurse=False)
+    for key in keys:
+        obs = data.get(key)
+        if link is None or link.shape[0] != obs.shape[0]:
+            raise InputError(
+                f"{path}: links for {0 if link is None else link.shape[0]} slots, but the "
+                f"storage has {obs.shape[0]}: the file does not belong to this dump. Dump "
+                "the buffer again (rb.dumps)."
+            )
+        table = side[keys.index(key)]
+        value = torch.zeros_like(obs)
+        linked = (link >= 0).nonzero().flatten()
+        value[linked] = obs[link[linked]]
+        in_side = (link <= -2).nonzero().flatten()
+        value[in_side] = table[-2 - link[in_side]]
+        data.set(("next", *key), value)
+    return data
+
+
 def _dump(path: str) -> Dataset:
     storage_dir = os.path.join(path, "storage")
     data = _load_memmap(storage_dir)
+    if os.path.exists(os.path.join(storage_dir, COMPACT_STATE)):
+        data = _next_observations(data, os.path.join(storage_dir, COMPACT_STATE))
     capacity = int(data.shape[0])
     stored = os.path.join(storage_dir, "storage_metadata.json")
     length = _int_entry(_json(stored), "len", stored, capacity, "the slots filled")

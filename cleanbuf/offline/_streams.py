@@ -27,6 +27,8 @@ import dataclasses
 
 import numpy as np
 
+from cleanbuf.engine._orientation import same_per_row
+
 
 @dataclasses.dataclass(frozen=True)
 class Streams:
@@ -59,19 +61,6 @@ class Streams:
         size = self.steps * self.envs
         for start in range(self.head, n_rows - self.tail, size):
             yield start, start + size
-
-
-def _flat(x: np.ndarray) -> np.ndarray:
-    """Rows as words: uint64 where the row's bytes allow (8x fewer compares)."""
-    x = np.ascontiguousarray(x).reshape(len(x), -1).view(np.uint8)
-    return x.view(np.uint64) if x.shape[1] % 8 == 0 else x
-
-
-def same_per_row(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per row, whether two arrays hold the same bytes."""
-    if not len(a):
-        return np.zeros(0, np.bool_)
-    return (_flat(a) == _flat(b)).all(1)
 
 
 class Rows:

@@ -11,10 +11,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from tensordict import TensorDict
-
-from cleanbuf.engine._compat import tensordict_children
-
 
 def calling_replay_buffer(max_frames: int = 12) -> Any | None:
     """The TorchRL ``ReplayBuffer`` whose ``extend`` / ``add`` is running the caller.
@@ -68,30 +64,37 @@ def collector_compact_next_keys(collector: Any) -> list:
     return list(getattr(collector, "_compact_next_keys", ()))
 
 
-def writer_slot(rb: Any) -> tuple[int, int] | None:
-    """Where ``rb``'s next ``extend`` writes: ``(cursor, capacity)``, or None if unknown.
+def reports_writes(rb: Any) -> bool:
+    """Whether ``rb``'s writer tells the storage's attached entities of each write.
 
-    TorchRL's round-robin writers keep the next slot in ``writer._cursor``
-    and write ``n`` rows at ``cursor, cursor + 1, ...`` modulo the capacity
-    (``storage.max_size``). None for any other writer, a buffer that
-    writes into consumed slots (``_is_consuming``), or where the names are
-    gone.
+    TorchRL's round-robin writers call ``entity.mark_update(index)`` for
+    every entity attached to the storage (``storage.attach``), after the
+    storage wrote the rows (``_mark_update_entities``). False for any other
+    writer (one that writes out of order, or that might not report) and for
+    a buffer that writes into consumed slots (``_is_consuming``).
     """
     from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
     writer = getattr(rb, "_writer", None)
     if type(writer).__name__ not in ("RoundRobinWriter", "TensorDictRoundRobinWriter"):
-        return None
-    if not isinstance(writer, RoundRobinWriter):
-        return None
+        return False
+    if not isinstance(writer, RoundRobinWriter) or not callable(
+        getattr(writer, "_mark_update_entities", None)
+    ):
+        return False
     consuming = getattr(rb, "_is_consuming", None)
     try:
-        if consuming is not None and consuming():
-            return None
-        cursor, capacity = int(writer._cursor), int(rb.storage.max_size)
-    except Exception:  # a storage without a capacity, a writer without a cursor
+        return not (consuming is not None and consuming())
+    except Exception:  # noqa: BLE001 - a buffer too odd to tell
+        return False
+
+
+def attached_entities(storage: Any) -> list | None:
+    """The entities attached to a TorchRL storage (``storage._attached_entities``), or None."""
+    entities = getattr(storage, "_attached_entities", None)
+    if not isinstance(entities, list) or not callable(getattr(storage, "attach", None)):
         return None
-    return (cursor, capacity) if capacity > 0 else None
+    return entities
 
 
 def storage_length(storage: Any) -> int:
@@ -109,50 +112,6 @@ def storage_length(storage: Any) -> int:
     """
     length = getattr(storage, "_len", None)
     return length if isinstance(length, int) else len(storage)
-
-
-def td_leaf(td: Any, key: Any) -> Any:
-    """``td.get(key, None)``; a root key of a plain ``TensorDict`` read from its own dict.
-
-    The public ``get`` unravels the key and checks it (a few microseconds;
-    the write check reads two leaves a call).
-
-    Examples:
-        >>> import torch
-        >>> td_leaf(TensorDict({"a": torch.zeros(2)}, [2]), "a").tolist()
-        [0.0, 0.0]
-    """
-    if isinstance(key, str):
-        children = tensordict_children(td) if type(td) is TensorDict else None
-        if children is not None:
-            return children.get(key)
-    return td.get(key, None)
-
-
-def storage_leaf(storage: Any, key: tuple, slots: Any = None) -> Any:
-    """What a storage holds under ``key`` at ``slots``, written or not as far as its length says.
-
-    TorchRL's ``storage.get`` stops at ``len(storage)``, which counts the
-    rows written, not the slots: after a failed write the writer's cursor
-    has moved past slots that ``len`` does not count, and later rows sit
-    beyond it. A tensor storage keeps every slot in ``storage._storage``,
-    whose one leaf is read (not every leaf: this runs at every call);
-    elsewhere ``storage.get``. None where the key is not stored.
-
-    Args:
-        storage: a TorchRL storage.
-        key: the leaf's key.
-        slots: the slots to read (an index tensor). None: the whole leaf,
-            every slot, uncopied, for a tensor storage; None for any other.
-    """
-    raw = getattr(storage, "_storage", None)
-    if getattr(storage, "initialized", False) and hasattr(raw, "batch_size"):
-        leaf = td_leaf(raw, key)
-        return leaf if leaf is None or slots is None else leaf[slots]
-    if slots is None:
-        return None
-    rows = storage.get(slots)
-    return rows.get(key, None) if hasattr(rows, "batch_size") else None
 
 
 def stored_chunk_shape(storage: Any) -> list | None:

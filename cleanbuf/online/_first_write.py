@@ -8,7 +8,7 @@ or written, so a refusal changes nothing:
   Read with the wrong axis as time, every stream is a column of different
   envs: the first call is stored wrong, and a later one fails on a reset
   row or a broken chain without saying why. Where the observations chain
-  along the other axis only (:func:`~cleanbuf.engine._orientation.chain_axis`),
+  along the other axis only (:func:`~cleanbuf.engine._orientation.batch_time_axis`),
   the first call is refused, naming the orientation and the fix.
 * **late attachment.** A filter appended to a buffer that already holds rows
   it did not write (``rb.append_transform(filt)`` after collection started)
@@ -24,61 +24,25 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import torch
 from tensordict import TensorDictBase
 
 from cleanbuf.engine._errors import CleanbufWarning, LayoutError, user_stacklevel
-from cleanbuf.engine._keys import DONE_KEYS, may_be_observation
-from cleanbuf.engine._orientation import chain_axis
+from cleanbuf.engine._options import Options
+from cleanbuf.engine._orientation import batch_time_axis
 from cleanbuf.online._compat import storage_length, stored_chunk_shape
 
 
-def _pair(td: TensorDictBase) -> tuple | None:
-    """An observation key stored with its ``("next", ...)`` twin, or None."""
-    nxt = td.get("next", None)
-    if not isinstance(nxt, TensorDictBase):
-        return None
-    for key in td.keys():
-        if key != "next" and may_be_observation((key,)) and key in nxt.keys():
-            if isinstance(td.get(key), torch.Tensor):
-                return key, ("next", key)
-    return None
-
-
-def _done(td: TensorDictBase, done_key: Any) -> torch.Tensor | None:
-    """Per row, done: ``done_key``, ``("next", "done")``, else terminated | truncated."""
-    keys = set(td.keys(True, True))
-    names = [done_key] if done_key is not None else DONE_KEYS
-    present = [k for k in names if k in keys]
-    if DONE_KEYS[0] in present and done_key is None:
-        present = [DONE_KEYS[0]]
-    if not present:
-        return None
-    out = torch.zeros(td.batch_size, dtype=torch.bool)
-    for k in present:
-        value = td.get(k)
-        if value.shape[: td.batch_dims] != td.batch_size:
-            return None
-        out |= value.reshape(*td.batch_size, -1).cpu().bool().any(-1)
-    return out
-
-
-def check_orientation(td: TensorDictBase, layout: str | None, done_key: Any) -> None:
+def check_orientation(td: TensorDictBase, options: Options) -> None:
     """Refuses a ``[A, B]`` batch whose observations chain along the axis the layout calls envs.
 
     Raises:
         LayoutError: the layout expects time on one axis and the data shows
             it on the other; the message names both and the fix.
     """
+    layout = options.layout
     if td.batch_dims != 2 or layout not in (None, "time_last", "time_first"):
         return
-    pair, done = _pair(td), _done(td, done_key)
-    if pair is None or done is None:
-        return
-    obs, nxt = td.get(pair[0]), td.get(pair[1])
-    if obs.shape[:2] != td.batch_size or nxt.shape != obs.shape:
-        return
-    axis = chain_axis(obs.detach().cpu(), nxt.detach().cpu(), done)
+    axis = batch_time_axis(td, options)
     expected = 0 if layout == "time_first" else 1
     if axis is None or axis == expected:
         return
@@ -100,7 +64,7 @@ def check_orientation(td: TensorDictBase, layout: str | None, done_key: Any) -> 
     )
 
 
-def check_late_attachment(rb: Any, fresh: bool) -> None:
+def check_late_attachment(rb: Any, fresh: bool) -> int:
     """Says when a fresh filter's first write goes into a buffer that already holds rows.
 
     Args:
@@ -112,18 +76,23 @@ def check_late_attachment(rb: Any, fresh: bool) -> None:
         LayoutError: the buffer holds ``[T]``-step chunks, which the
             filter's flat rows cannot join.
 
+    Returns:
+        The rows the buffer held (0: none, or not a fresh filter's first
+        write); the filter keeps it as ``rows_before_attach``, where
+        :func:`cleanbuf.clean` reads it.
+
     Warns:
         CleanbufWarning: the buffer holds rows the filter did not clean.
     """
     storage = getattr(rb, "storage", None) if rb is not None else None
     if not fresh or storage is None:
-        return
+        return 0
     try:
         n = storage_length(storage)
     except Exception:  # a storage without a length: nothing to tell
-        return
+        return 0
     if not n:
-        return
+        return 0
     shape = stored_chunk_shape(storage)
     if shape is not None:
         raise LayoutError(
@@ -133,13 +102,24 @@ def check_late_attachment(rb: Any, fresh: bool) -> None:
             "rows = cleanbuf.clean(rb), and attach the filter to a new buffer before its first "
             "write: ReplayBuffer(storage=..., transform=filt). Nothing was written."
         )
+    capacity = getattr(storage, "max_size", None)
+    if isinstance(capacity, int) and n >= capacity:  # full: the filter's rows overwrite them
+        fix = (
+            "The buffer is full, so the filter's rows overwrite them oldest first: clean them "
+            "before attaching the filter, rows = cleanbuf.clean(rb)"
+        )
+    else:  # they are the buffer's first n rows, in write order, until it wraps
+        fix = (
+            f"Clean them (the buffer's first {n} rows) with rows = cleanbuf.clean(rb[:{n}], "
+            'layout="flat"), a cleaned copy (their envs read from the rows)'
+        )
     warnings.warn(
         CleanbufWarning(
             f"AutoresetFilter: the buffer already held {n} row(s) when the filter first wrote "
             "into it (attached after collection started, e.g. rb.append_transform(filt)); those "
-            "rows were not cleaned and stay as they are. Clean them with "
-            "rows = cleanbuf.clean(rb) (a cleaned copy), or attach the filter before the first "
-            "write."
+            f"rows were not cleaned and stay as they are. {fix}; or attach the filter before "
+            "the first write."
         ),
         stacklevel=user_stacklevel(),
     )
+    return n

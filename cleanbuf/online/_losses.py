@@ -7,8 +7,11 @@ the call. Copies of the filter in worker processes or Ray actors warn in
 their own process, which the user may not see; each copy therefore
 publishes how many observations its calls lost (under :data:`LOST_KEY`),
 and the filter in the parent warns with their sum when it reads its stats
-or flushes, unless it warned already. The rows a flush marks (their reset
-row never came) are counted, not warned about: every run ends with some.
+or flushes, unless it warned already. A flush that stores rows whose
+terminal observation is lost (done on the last step collected, the next
+observation not stored, the reset row that holds it never collected) warns
+too, with its own count and the flush's own way out
+(:func:`flush_message`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,28 @@ from cleanbuf.engine._errors import CleanbufWarning, lost_message, user_stacklev
 from cleanbuf.engine._options import Options
 
 LOST_KEY = "lost_in_calls"  # in a published state: what the copy's calls stored as NaN
+
+
+def flush_message(n_lost: int) -> str:
+    """The flush's warning: the count, the cause, what NaN does, the ways out.
+
+    Examples:
+        >>> text = flush_message(2)
+        >>> text.startswith("2 row(s) stored by filt.flush(rb) lost their terminal observation")
+        True
+        >>> "filt.flush(rb, on_lost_terminal_obs='drop')" in text
+        True
+    """
+    return (
+        f"{n_lost} row(s) stored by filt.flush(rb) lost their terminal observation: each ended "
+        "an episode on the last step collected, its producer did not store the terminal "
+        "observation in that row (TorchRL's GymEnv(num_envs=N) zero-fills it), and the "
+        "reset row that holds it was never collected. They are stored with a NaN next "
+        "observation (TorchRL's mark for a missing one: a loss that bootstraps from it "
+        "gives NaN); stats['terminal_obs_missing'] counts them. To store no such row, "
+        "flush with filt.flush(rb, on_lost_terminal_obs='drop'); to lose none, use a "
+        "lossless producer, cleanbuf.lossless_gym_env(name, num_envs)."
+    )
 
 
 class LostObservations:
@@ -67,6 +92,15 @@ class LostObservations:
                 CleanbufWarning(lost_message(n_lost, self.who, first_batch=True)),
                 stacklevel=user_stacklevel(),
             )
+
+    def after_flush(self, n_lost: int) -> None:
+        """Warns about what a flush stored as NaN by default (at the user's line).
+
+        Every flush that loses any warns, whether or not a call warned
+        before: the flush's rows are another loss, with another cause.
+        """
+        if n_lost:
+            warnings.warn(CleanbufWarning(flush_message(n_lost)), stacklevel=user_stacklevel())
 
     def after_copies(self, states: dict) -> None:
         """Warns once with what every copy's calls lost (at the user's line).

@@ -1,4 +1,4 @@
-"""A TorchRL Gym vector env that loses no terminal observation."""
+"""Envs that lose no terminal observation: TorchRL's Gym vector env, an mjlab env."""
 
 from __future__ import annotations
 
@@ -89,3 +89,94 @@ def lossless_gym_env(
         **kwargs,
     )
     return GymWrapper(vec, device=device)
+
+
+class LosslessMjlabEnv:
+    """An mjlab env built with ``cfg.auto_reset = False``, reset by this wrapper.
+
+    mjlab's ``ManagerBasedRlEnv`` with ``auto_reset=False`` returns the true
+    terminal observations and leaves the resets to the caller. This wrapper
+    resets the done envs itself after each step (``env.reset(env_ids=...)``)
+    and hands over their terminal observations as mjlab's own terminal
+    extras, ``extras["terminal"] = {"env_ids": ..., "observations": {...}}``,
+    which :func:`cleanbuf.step_rows` reads (``producer="mjlab"``): the loop
+    sees what an auto-resetting env gives, and loses nothing. Everything
+    else (``num_envs``, ``device``, spaces, ``close``) is the env's.
+
+    Torch tensors stay on the env's device; the one host read per step is
+    whether any env is done.
+
+    Args:
+        env: an mjlab ``ManagerBasedRlEnv`` (or any env with its ``step`` and
+            ``reset(env_ids=...)``) whose ``cfg.auto_reset`` is False.
+
+    Raises:
+        CleanbufError: the env auto-resets (``cfg.auto_reset`` True): its
+            step has already replaced the terminal observations.
+
+    Examples:
+        >>> import torch
+        >>> class Counter:  # two envs; env 1 ends every 2 steps; auto_reset=False
+        ...     num_envs, device = 2, "cpu"
+        ...     def __init__(self): self.t = torch.zeros(2)
+        ...     def reset(self, seed=None, env_ids=None, options=None):
+        ...         self.t[slice(None) if env_ids is None else env_ids] = 0
+        ...         return {"actor": self.t[:, None].clone()}, {}
+        ...     def step(self, action):
+        ...         self.t += 1
+        ...         done = torch.tensor([False, bool(self.t[1] == 2)])
+        ...         return {"actor": self.t[:, None].clone()}, torch.ones(2), done, done & False, {}
+        >>> env = LosslessMjlabEnv(Counter())
+        >>> _ = env.reset()
+        >>> _ = env.step(None)
+        >>> obs, reward, terminated, truncated, extras = env.step(None)
+        >>> obs["actor"].reshape(-1).tolist(), extras["terminal"]["env_ids"].tolist()
+        ([2.0, 0.0], [1])
+        >>> extras["terminal"]["observations"]["actor"].reshape(-1).tolist()
+        [2.0]
+    """
+
+    def __init__(self, env: Any):
+        cfg = getattr(getattr(env, "unwrapped", env), "cfg", None)
+        if cfg is not None and getattr(cfg, "auto_reset", False):
+            raise CleanbufError(
+                "this mjlab env auto-resets (cfg.auto_reset is True), so its step has already "
+                "replaced the terminal observations. Build it with cfg.auto_reset = False "
+                "before ManagerBasedRlEnv(cfg=cfg, ...), then wrap it: "
+                "cleanbuf.LosslessMjlabEnv(env)."
+            )
+        self.env = env
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["env"], name)
+
+    def reset(self, *args: Any, **kwargs: Any):
+        """The env's ``reset``."""
+        return self.env.reset(*args, **kwargs)
+
+    def step(self, action: Any):
+        """The env's step, with the done envs reset and their terminal observations in extras.
+
+        Returns:
+            ``(obs, reward, terminated, truncated, extras)`` as mjlab's
+            auto-resetting step gives them: ``obs`` after the resets, and
+            ``extras["terminal"]`` on a step where an env was done.
+        """
+        import torch
+
+        obs, reward, terminated, truncated, extras = self.env.step(action)
+        done = terminated | truncated
+        if not bool(done.any()):
+            return obs, reward, terminated, truncated, extras
+        ids = torch.nonzero(done.reshape(-1)).reshape(-1)
+
+        def rows(tree: Any):
+            if isinstance(tree, dict):
+                return {k: rows(v) for k, v in tree.items()}
+            return tree.index_select(0, ids.to(tree.device))  # a copy, before the reset
+
+        terminal = {"env_ids": ids, "observations": rows(obs)}
+        obs, _ = self.env.reset(env_ids=ids)
+        extras = dict(extras or {})
+        extras["terminal"] = terminal
+        return obs, reward, terminated, truncated, extras

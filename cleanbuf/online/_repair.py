@@ -17,7 +17,7 @@ from cleanbuf.engine._errors import (
     StateError,
 )
 from cleanbuf.engine._options import Options, keyword_names, options_in, refuse_unknown
-from cleanbuf.engine._read import looks_time_first
+from cleanbuf.engine._orientation import batch_time_axis
 from cleanbuf.engine._rollout import MASK_KEY, ROLLOUT_FIELDS, Rollouts
 from cleanbuf.online._base import OnlineCleaner
 from cleanbuf.online._losses import LostObservations
@@ -309,7 +309,7 @@ class RolloutRepair(OnlineCleaner):
         batch got, if any, said after the axis order. Never raises anything
         else (a batch too odd to tell gets its own error from the cleaner).
         """
-        if not looks_time_first(td, self.options):
+        if batch_time_axis(td, self.options) != 0:
             return
         a, b = td.batch_size
         raise LayoutError(

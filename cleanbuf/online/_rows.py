@@ -10,6 +10,7 @@ import torch
 from tensordict import TensorDict
 
 from cleanbuf.engine._errors import InputError
+from cleanbuf.online._simulators import check_infos, final_entry, producer_of
 
 _FINAL_KEYS = ("final_obs", "final_observation")
 
@@ -109,80 +110,28 @@ def _one_env(obs, action, next_obs, reward, terminated, truncated, info):
             [terminated], [truncated], final)  # fmt: skip
 
 
-def _final_from_info(info: Any, next_obs: Any, n: int):
-    """Reads the terminal observations out of a step's info.
-
-    Gymnasium (``SAME_STEP``): a dict with ``"final_obs"`` (an object array
-    with one entry per env, None where not done) and the mask
-    ``"_final_obs"``. Stable-Baselines3: a list of per-env dicts with
-    ``"terminal_observation"`` on the envs that were done.
-
-    Returns:
-        ``(final, present)``: the terminal observations shaped like
-        ``next_obs`` (zeros where absent), and the bool mask ``[n]``.
-    """
-    entries: list = [None] * n
-    if isinstance(info, Mapping):
-        key = next((k for k in _FINAL_KEYS if k in info), None)
-        if key is not None:
-            if len(info[key]) != n:
-                raise InputError(
-                    f"info[{key!r}] has {len(info[key])} entries; expected one per env ({n}). "
-                    "Pass the info dict of this step of the same vector env."
-                )
-            mask = np.asarray(info.get("_" + key, [x is not None for x in info[key]]), bool)
-            for i in np.flatnonzero(mask):
-                entries[i] = info[key][i]
-    elif isinstance(info, Sequence) and not isinstance(info, str):
-        _check_infos(info, n)
-        for i, d in enumerate(info):
-            if d.get("terminal_observation") is not None:
-                entries[i] = d["terminal_observation"]
-    else:
-        raise InputError(
-            f"info must be Gymnasium's info dict or Stable-Baselines3's list of info dicts; "
-            f"got {type(info).__name__}."
-        )
-    present = np.array([e is not None for e in entries], bool)
-
-    def fill(template: Any, pick):
-        if isinstance(template, Mapping):
-            return {k: fill(v, lambda e, k=k: pick(e)[k]) for k, v in template.items()}
-        out = np.zeros_like(np.asarray(template))
-        for i in np.flatnonzero(present):
-            out[i] = pick(entries[i])
-        return out
-
-    return fill(next_obs, lambda e: e), present
-
-
-def _check_infos(info: Sequence, n: int) -> None:
-    """A Stable-Baselines3 list of infos: one dict per env."""
-    if len(info) != n or not all(isinstance(d, Mapping) for d in info):
-        kinds = sorted({type(d).__name__ for d in info})
-        raise InputError(
-            f"info is a list of {len(info)} entries ({', '.join(kinds) or 'none'}); expected "
-            f"one info dict per env ({n}, from terminated). Pass the infos the VecEnv's "
-            "step returned at this step."
-        )
-
-
 def _done_flags(terminated: Any, truncated: Any, info: Any, n: int):
     """``(terminated, truncated)`` as ``[n, 1]`` booleans.
 
-    ``truncated=None`` is a Stable-Baselines3 step: the truncations are
-    read from the infos' ``"TimeLimit.truncated"`` and removed from its
-    ``dones``.
+    ``truncated=None`` is a Stable-Baselines3 step (the truncations are
+    read from the infos' ``"TimeLimit.truncated"``) or an Isaac Lab / RSL-RL
+    one (from ``extras["time_outs"]``); they are removed from ``terminated``
+    (its ``dones``). Torch flags stay on their device.
     """
     terminated = _flag(terminated, n, "terminated")
     if truncated is not None:
         return terminated, _flag(truncated, n, "truncated")
+    if isinstance(info, Mapping) and info.get("time_outs") is not None:
+        truncated = _flag(info["time_outs"], n, "info['time_outs']")
+        return terminated & ~truncated, truncated
     if not (isinstance(info, Sequence) and not isinstance(info, (str, Mapping))):
         raise InputError(
-            "truncated=None is for Stable-Baselines3 steps, where the truncations are in "
-            "the list of info dicts; pass truncated= for Gymnasium steps."
+            "truncated=None is for Stable-Baselines3 steps (the truncations in the list of "
+            "info dicts) and for Isaac Lab / RSL-RL steps (the truncations in "
+            "extras['time_outs']); this info holds neither: pass truncated= (the step's "
+            "truncations)."
         )
-    _check_infos(info, n)
+    check_infos(info, n)
     flags = [bool(d.get("TimeLimit.truncated", False)) for d in info]
     truncated = torch.tensor(flags).reshape(n, 1)
     return terminated & ~truncated, truncated
@@ -199,6 +148,7 @@ def step_rows(
     *,
     env_ids: bool = False,
     reset: Any = None,
+    producer: str | None = None,
 ) -> TensorDict:
     """Turns one vector-env step into rows ``[E]`` for the filter (``layout="step"``).
 
@@ -231,6 +181,20 @@ def step_rows(
             info leaves it). Required (for the truncations) when
             ``truncated`` is None.
         env_ids: also store each row's env index as ``"env_id"``.
+        producer: whose end-of-episode format ``info`` follows: one of
+            ``"gymnasium"``, ``"sb3"``, ``"isaaclab"`` (``extras["final_obs"]``
+            for the whole batch, ``extras["time_outs"]``), ``"mjlab"``
+            (``extras["terminal"] = {"env_ids", "observations"}``, the done
+            envs only), ``"maniskill"`` (``infos["final_observation"]`` with
+            the mask ``infos["_final_observation"]``); None (the default)
+            reads it from the keys present. A declared producer whose keys
+            the info contradicts is refused. Observation groups (a dict
+            such as ``{"policy", "critic"}``) are restored together. Where
+            a done env has no terminal observation (Isaac Lab without
+            ``compute_final_obs=True``, mjlab without
+            ``capture_terminal_observations``), its mask is False and the
+            filter applies ``on_lost_terminal_obs``. Torch observations
+            stay on their device: no observation is copied to the host.
         reset: bool ``[E]``: True for the envs the loop reset itself
             (``envs.reset()``, or ``options={"reset_mask": mask}``) since the
             previous step, so that ``obs`` is a fresh reset observation. Their
@@ -288,11 +252,11 @@ def step_rows(
         "truncated": truncated,
         "done": terminated | truncated,
     }
-    found = None if info is None else _final_from_info(info, next_obs, n)
-    if found is not None:
-        final, present = found
+    if info is not None:
+        producer = producer_of(info, producer)
+        final, present = final_entry(producer, info, nxt["observation"], nxt["done"].reshape(n), n)
         nxt["final_obs"] = _tree(final, n, "final_obs")
-        nxt["_final_obs"] = torch.from_numpy(present).reshape(n, 1)
+        nxt["_final_obs"] = present.reshape(n, 1)
     data = {"observation": _tree(obs, n, "obs"), "action": action_t, "next": nxt}
     if reset is not None:
         data["is_init"] = _flag(reset, n, "reset")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,12 +20,64 @@ from cleanbuf.engine._errors import (
 from cleanbuf.engine._options import Options, keyword_names, options_in, refuse_unknown
 from cleanbuf.online import _at_exit, _publish, _writes
 from cleanbuf.online._base import OnlineCleaner
+from cleanbuf.online._compact import STREAM_KEY, is_compact, with_stream_index
 from cleanbuf.online._compat import calling_replay_buffer
 from cleanbuf.online._copies import CopyStates
 from cleanbuf.online._first_write import check_late_attachment, check_orientation
 from cleanbuf.online._losses import LOST_KEY, LostObservations
 from cleanbuf.online._ray import flush_buffer_actor, in_ray_actor, is_ray_buffer
 from cleanbuf.online._storage import check_storage, is_storage_init
+
+
+def not_a_tensordict(data: Any) -> str:
+    """The error for a write of something other than a TensorDict, with a fix that runs.
+
+    A list of TensorDicts (``rb.extend([td, td])``) gets the join that
+    fits them: steps ``[E]`` stacked along time (``dim=1``), batches
+    ``[E, T]`` concatenated along time, or each written in turn.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> steps = [TensorDict({}, batch_size=[4])] * 3
+        >>> "rb.extend(torch.stack(data, dim=1))" in not_a_tensordict(steps)
+        True
+        >>> done = torch.zeros(4, 16, 1, dtype=torch.bool)
+        >>> "TensorDict(data, batch_size=[4, 16])" in not_a_tensordict({"next": {"done": done}})
+        True
+    """
+    end = " Nothing was written."
+    if (
+        isinstance(data, (list, tuple))
+        and data
+        and all(isinstance(d, TensorDictBase) for d in data)
+    ):
+        shapes = {tuple(d.batch_size) for d in data}
+        got = f"a {type(data).__name__} of {len(data)} TensorDicts"
+        if len(shapes) == 1 and len(next(iter(shapes))) == 1:
+            return (
+                f"AutoresetFilter cleans one TensorDict per write; got {got} of batch size "
+                f"{list(next(iter(shapes)))} (one step of E envs each). Fix: stack them along "
+                "time, rb.extend(torch.stack(data, dim=1)) (an [E, T] batch, time last, as a "
+                "collector yields)." + end
+            )
+        return (
+            f"AutoresetFilter cleans one TensorDict per write; got {got} (batch sizes "
+            f"{sorted(list(s) for s in shapes)}). Fix: write them in turn, "
+            "for td in data: rb.extend(td); or join [E, T] batches along time, "
+            "rb.extend(torch.cat(data, dim=-1))." + end
+        )
+    what = "a dict" if isinstance(data, Mapping) else type(data).__name__
+    nxt = data.get("next") if isinstance(data, Mapping) else None
+    done = nxt.get("done") if isinstance(nxt, Mapping) else None
+    shape = list(getattr(done, "shape", ())[:2])
+    wrap = f"[{shape[0]}, {shape[1]}]" if len(shape) == 2 else "[E, T]"
+    return (
+        f"AutoresetFilter cleans TensorDict batches; got {what}. Expected what a TorchRL "
+        "collector yields (a TensorDict [E, T]). Fix: for a dict of [E, T] tensors, "
+        f"rb.extend(tensordict.TensorDict(data, batch_size={wrap})); for stored arrays, "
+        "rows = cleanbuf.clean(data); for on-policy rollouts, RolloutRepair." + end
+    )
 
 
 class AutoresetFilter(OnlineCleaner, Transform):
@@ -44,7 +95,7 @@ class AutoresetFilter(OnlineCleaner, Transform):
     forgotten one is said when the filter is collected, or at interpreter
     exit). Its first write refuses a ``[T, E]`` batch where ``[E, T]`` is
     read, and warns when the buffer already holds rows it did not write
-    (``rows = cleanbuf.clean(rb)`` cleans those). Any error leaves the
+    (and names the call that cleans those). Any error leaves the
     filter and the buffer as they were. The rules, one
     by one (modes, joint resets, observation-only data, streams across
     calls, batch-end marks, processes, Ray, failures), are in the guide
@@ -144,10 +195,15 @@ class AutoresetFilter(OnlineCleaner, Transform):
         self._origin = None
         self._copies: _publish.Copies | None = None  # set once the copies publish
         self._storage_checked = False  # the buffer's storage takes flat rows (checked once)
+        self._stream_index = False  # a CompactStorage: rows carry their stream (first write)
+        # Rows the buffer held at this filter's first write (attached late), not cleaned:
+        # cleanbuf.clean(rb) reads it to say which rows to clean.
+        self.rows_before_attach = 0
         self._losses = LostObservations("filter")  # NaN next observations written by default
         self._in_ray_actor: bool | None = None  # whether it runs in a Ray actor (first call)
-        self._buffer = None  # weak reference to the buffer whose extend calls it (first call)
-        self._last_write: _writes.LastWrite | None = None  # the last call's rows, on their way
+        # the last call's rows, on their way: the buffer's write counter and its count then
+        self._last_write: tuple[_writes.WriteMarks, int] | None = None
+        self._marks: _writes.WriteMarks | None = None  # the buffer's write counter (first call)
         _at_exit.watch(self)  # held rows never flushed are said at interpreter exit
 
     @property
@@ -212,7 +268,7 @@ class AutoresetFilter(OnlineCleaner, Transform):
         # Pickled while Ray runs: for a Ray actor, which publishes its state.
         self._copies = _publish.for_ray(self._copies, self._state())
         state = super().__getstate__()
-        state["_buffer"] = state["_last_write"] = None  # weak references stay here
+        state["_last_write"] = state["_marks"] = None  # the buffer's counter stays here
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -247,7 +303,13 @@ class AutoresetFilter(OnlineCleaner, Transform):
                 Nothing was written and nothing changed.
 
         Warns:
-            CleanbufWarning: as :attr:`stats` does, before the flush.
+            CleanbufWarning: as :attr:`stats` does, before the flush; and
+                when, by default (no ``on_lost_terminal_obs`` chosen,
+                next-step data), rows it stored lost their terminal
+                observation (done on the last step collected, not stored
+                in the row, the reset row that holds it never collected),
+                with their count: they are stored with a NaN next
+                observation.
         """
         try:
             out = self._flush(rb, on_lost_terminal_obs)
@@ -260,9 +322,27 @@ class AutoresetFilter(OnlineCleaner, Transform):
                 "filt.flush(rb, on_lost_terminal_obs='keep')."
             ) from None
         self.__dict__["_flush_raised"] = False
+        if out is not None and STREAM_KEY in out.keys():  # (read by a CompactStorage only)
+            out = out.exclude(STREAM_KEY)
         return out
 
     def _flush(self, rb: Any, on_lost_terminal_obs: str | None) -> TensorDictBase | None:
+        """Flushes; warns when the rows it stored lost terminal observations by default."""
+        before = self._lost_so_far()
+        out = self._flush_rows(rb, on_lost_terminal_obs)
+        policy = self.options if on_lost_terminal_obs is None else None
+        if policy is not None and self._losses.counting(policy):
+            self._losses.after_flush(self._lost_so_far() - before)
+        return out
+
+    def _lost_so_far(self) -> int:
+        """``terminal_obs_missing``: this filter's, or summed over its copies' published states."""
+        if self._copies is None:
+            return self._engine.count("terminal_obs_missing")
+        states = self._copies.load().values()
+        return sum(int(s.get("stats", {}).get("terminal_obs_missing", 0)) for s in states)
+
+    def _flush_rows(self, rb: Any, on_lost_terminal_obs: str | None) -> TensorDictBase | None:
         self._settle_write()
         if self._copies is not None:  # what the copies lost, before the flush marks more
             self._losses.after_copies(self._copies.load())
@@ -313,23 +393,19 @@ class AutoresetFilter(OnlineCleaner, Transform):
                 "ReplayBuffer(transform=...), not in an environment."
             )
         if not isinstance(tensordict, TensorDictBase):
-            what = "a dict" if isinstance(tensordict, Mapping) else type(tensordict).__name__
-            raise InputError(
-                f"AutoresetFilter cleans TensorDict batches; got {what}. Expected what a "
-                "TorchRL collector yields (a TensorDict [E, T]). Fix: wrap it "
-                "(tensordict.TensorDict(data, batch_size=[E, T])), or use "
-                "cleanbuf.clean(data) for dicts of arrays and RolloutRepair for on-policy "
-                "rollouts. Nothing was written."
-            )
+            raise InputError(not_a_tensordict(tensordict))
         if not self._storage_checked:
             rb = calling_replay_buffer()
             check_storage(rb)
             # Once, at the first write: a [T, E] batch where [E, T] is read, and
             # a buffer that already holds rows this filter did not write.
-            check_orientation(tensordict, self.options.layout, self.options.done_key)
+            check_orientation(tensordict, self.options)
             fresh = self._copies is None and not self._engine.count("rows_in")
-            check_late_attachment(rb, fresh and not is_storage_init(tensordict))
-            self._buffer = None if rb is None else weakref.ref(rb)
+            self.rows_before_attach = check_late_attachment(
+                rb, fresh and not is_storage_init(tensordict)
+            )
+            self._marks = _writes.marks_of(rb)
+            self._stream_index = rb is not None and is_compact(getattr(rb, "storage", None))
             self._storage_checked = True  # once per process: a frame walk is not free
         if self._in_ray_actor is None:  # where it runs: read once (after an unpickling too)
             self._in_ray_actor = in_ray_actor()
@@ -339,9 +415,10 @@ class AutoresetFilter(OnlineCleaner, Transform):
             # TorchRL empties the buffer right after: nothing is counted or kept.
             return Cleaner(self.options)(tensordict)
         failed = self._settle_write()
-        rb = None if self._buffer is None else self._buffer()
-        slot = _writes.slot_before(rb) if self._tracks_writes() else None
+        marks = self.__dict__["_marks"] if self._tracks_writes() else None
         lost = self._engine.count("terminal_obs_missing")
+        if self._stream_index:  # which stored row follows which, for the compact storage
+            tensordict = with_stream_index(tensordict, self.options.layout, self.options.stream_key)
         try:
             out = self._engine(tensordict)
         except CleanbufError as err:
@@ -352,11 +429,10 @@ class AutoresetFilter(OnlineCleaner, Transform):
                 "the held rows its call released) are not stored; the filter is back to "
                 f"before that batch: write it again before this one. {err}"
             ) from None
-        last_write = None
-        if slot is not None:
+        if marks is not None and out.batch_size[0]:
             # (per-call fields go into __dict__: nn.Module.__setattr__ costs more)
-            last_write = self.__dict__["_last_write"] = _writes.record(rb, slot, out)
-        if self._tracks_writes() and last_write is None:
+            self.__dict__["_last_write"] = (marks, marks.writes)
+        elif self._tracks_writes():
             self._engine.last_call_stored()  # nothing to write, or no buffer: no retry
         self._count_lost(self._engine.count("terminal_obs_missing") - lost)
         if self._copies is not None:
@@ -374,19 +450,18 @@ class AutoresetFilter(OnlineCleaner, Transform):
     def _settle_write(self) -> bool:
         """Reads whether the last call's rows reached the buffer; True if they did not.
 
-        Stored: a batch written again is a duplicate. Not stored: the
-        cleaner goes back to before that call.
+        Stored (the writer reported a write since): a batch written again is
+        a duplicate. Not stored: the cleaner goes back to before that call.
         """
         last = self._last_write
         if last is None:
             return False
         self.__dict__["_last_write"] = None  # (nn.Module.__setattr__ costs more)
-        stored = last.stored()
-        if stored:
+        marks, writes = last
+        if marks.writes > writes:
             self._engine.last_call_stored()
-        elif stored is False:
-            return self._engine.undo_last_call()
-        return False
+            return False
+        return self._engine.undo_last_call()
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Cleans a batch when the filter is a collector's ``postproc``.

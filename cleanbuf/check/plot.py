@@ -85,12 +85,14 @@ def figure(report: Any):
         _panel(ax, name, report.timelines[name], seen)
     axes[-1, 0].set_xlim(*_window(report.timelines["truth"]))
     axes[-1, 0].set_xlabel("env 0's rows as stored; line: observation[0]")
+    title = f"cleanbuf check {report.env}: env 0 as stored, against the truth (top)"
+    fig.suptitle(title, fontsize=10)
+    # The legend below the panels, the title above them: neither covers the other.
+    bottom = 0.0
     if seen:
-        fig.legend(loc="upper center", ncols=5, fontsize=8, bbox_to_anchor=(0.5, 0.995))
-    fig.suptitle(
-        f"cleanbuf check {report.env}: env 0 as stored, against the truth (top)",
-        y=0.955,
-        fontsize=10,
-    )
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+        legend = fig.legend(loc="lower center", ncols=5, fontsize=8, bbox_to_anchor=(0.5, 0.0))
+        fig.canvas.draw()
+        box = legend.get_window_extent().transformed(fig.transFigure.inverted())
+        bottom = box.y1 + 0.005
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     return fig

@@ -310,6 +310,13 @@ class CheckReport:
         cleaning: the cleaning checked.
         reproducer: the reproducer file written (status 1), else None.
         replay: the command that replays it, else None.
+        steps_asked: the steps asked for (``steps`` is more where the
+            truth was run longer until every env ended an episode).
+        time_limit: the sub-envs' time limit (the env's own or
+            ``max_episode_steps``), None without one.
+        unseen: what the truth did not show (an env that ended no
+            episode), with the settings that would show it; then nothing
+            was compared (status 3). None: every env ended an episode.
     """
 
     env: str
@@ -325,12 +332,15 @@ class CheckReport:
     cleaning: str
     reproducer: str | None = None
     replay: str | None = None
+    steps_asked: int | None = None
+    time_limit: int | None = None
+    unseen: str | None = None
     timelines: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def status(self) -> int:
-        """The exit status: 0 equal, 1 a difference, 3 not reproducible."""
-        if self.not_reproducible is not None:
+        """The exit status: 0 equal, 1 a difference, 3 not reproducible or nothing seen."""
+        if self.not_reproducible is not None or self.unseen is not None:
             return 3
         return 1 if any(p.differs for p in self.producers) else 0
 
@@ -347,7 +357,7 @@ class CheckReport:
 
     def plot(self, path: str) -> None:
         """Draws env 0's rows as each producer stored them, against the truth (matplotlib)."""
-        from cleanbuf._env_check_plot import figure
+        from cleanbuf.check.plot import figure
 
         fig = figure(self)
         fig.savefig(path, dpi=110)
@@ -462,6 +472,8 @@ def _advice(report: CheckReport) -> list[str]:
 
 
 def _verdict(report: CheckReport) -> list[str]:
+    if report.unseen is not None:
+        return [f"NO VERDICT: {report.unseen}"]
     if report.status == 3:
         return [
             f"NOT REPRODUCIBLE: {report.env} is not reproducible under seeds: two runs with "
@@ -517,12 +529,18 @@ def _short(value: Any) -> str:
 
 def _render(report: CheckReport) -> list[str]:
     limit = "" if report.max_episode_steps is None else f", time limit {report.max_episode_steps}"
+    longer = ""
+    if report.steps_asked is not None and report.steps != report.steps_asked:
+        longer = f" ({report.steps_asked} asked: run until every env ended an episode)"
+    trunc = f"{report.truth_truncations} truncations"
+    if report.time_limit is not None and not report.truth_truncations:
+        trunc += f": time limit {report.time_limit} never reached"
     lines = [
-        f"cleanbuf check {report.env}: {report.num_envs} envs x {report.steps} steps, seed "
-        f"{report.seed}{limit}, seeded random actions",
+        f"cleanbuf check {report.env}: {report.num_envs} envs x {report.steps} steps{longer}, "
+        f"seed {report.seed}{limit}, seeded random actions",
         f"truth (explicit resets, same seeds and actions): "
         f"{report.num_envs * report.steps} rows, {report.truth_episode_ends} episode ends "
-        f"({report.truth_truncations} truncations)",
+        f"({trunc})",
     ]
     if report.status == 3:
         return _wrap([*lines, "", *_verdict(report)])

@@ -186,6 +186,23 @@ class EnvSource:
         return spaces
 
 
+def time_limit(source: EnvSource) -> int | None:
+    """The sub-envs' time limit (a ``TimeLimit`` wrapper's or the spec's), or None."""
+    if source.max_episode_steps is not None:
+        return source.max_episode_steps
+    env = source.make()
+    try:
+        layer = env
+        while layer is not None:
+            if isinstance(layer, gym().wrappers.TimeLimit):
+                return int(layer._max_episode_steps)
+            layer = getattr(layer, "env", None)
+        steps = getattr(getattr(env, "spec", None), "max_episode_steps", None)
+        return None if steps is None else int(steps)
+    finally:
+        env.close()
+
+
 def seeded(source: EnvSource, seed: int) -> Any:
     """A sub-env of ``source`` that starts from ``reset(seed=seed)``."""
     return _seeded_start_class()(source.make(), seed)

@@ -22,13 +22,15 @@ Exit status, as ``cleanbuf audit``'s:
 
 from __future__ import annotations
 
-import argparse
+import collections
+import contextlib
 import importlib
 import json
 import os
 import re
 import shlex
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -36,11 +38,10 @@ from typing import Any
 
 import numpy as np
 
-import cleanbuf._env_check_report as report_
-import cleanbuf._env_check_runs as runs_
+import cleanbuf.check.report as report_
+import cleanbuf.check.runs as runs_
 from cleanbuf.engine._errors import CleanbufError
 from cleanbuf.offline._audit import program
-from cleanbuf.offline.cli import check_plot_path
 
 CleanFn = Callable[[list, Any], Any]
 _FORMAT = "cleanbuf-check-reproducer/1"
@@ -96,17 +97,53 @@ def _producers(producers: Sequence[str] | str | None, source: Any) -> tuple[list
     return chosen, not_run
 
 
-def _progress(enabled: bool | None, total: int):
+def _progress(enabled: bool | None, total: int, file: Any = None):
     from tqdm.auto import tqdm
 
     return tqdm(
         total=total,
         desc="cleanbuf check",
         unit="step",
-        file=sys.stderr,
+        file=sys.stderr if file is None else file,
         disable=None if enabled is None else not enabled,
         leave=False,
     )
+
+
+@contextlib.contextmanager
+def each_line_once():
+    """What the runs write to stderr (fd 2), each distinct line said once, at the end.
+
+    Third-party libraries warn each time an env is built (MuJoCo's
+    ``settotalmass is deprecated``, from C, once per sub-env of each
+    producer: 34 identical lines before the table). Their lines are
+    gathered while the runs build envs, worker processes included, and
+    said once each, with how many times they came. Yields the file the
+    progress bar draws on (the stderr of before).
+    """
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a notebook): as is
+        yield sys.stderr
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    bar = os.fdopen(os.dup(saved), "w")
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield bar
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
+            bar.close()
+            tmp.seek(0)
+            said = collections.Counter(
+                line for line in tmp.read().decode(errors="replace").splitlines() if line.strip()
+            )
+            for line, n in said.items():  # (in the order they first came)
+                print(line + (f"  [said {n} times, shown once]" if n > 1 else ""), file=sys.stderr)
 
 
 def _options_of(env: Any) -> str:
@@ -193,6 +230,7 @@ def check(
     reproducer: str | os.PathLike | None = None,
     replay: str | os.PathLike | None = None,
     progress: bool | None = False,
+    time_budget: float = 60.0,
 ) -> report_.CheckReport:
     """Runs ``env`` under each producer and against explicit resets; cleans and compares.
 
@@ -220,7 +258,11 @@ def check(
             env); a factory or an id it lacks is not run (the report says
             why).
         num_envs: sub-envs per producer.
-        steps: steps per producer.
+        steps: steps per producer, at least: where an env of the truth
+            ends no episode in them, the truth runs again with more steps
+            (past the env's time limit, if it has one; else twice as
+            many), for up to ``time_budget`` seconds; an env that still
+            ends none gives no verdict (status 3).
         seed: sub-env ``e`` starts from ``reset(seed=seed + e)``; env
             ``e``'s actions are drawn from its action space seeded ``seed + e``.
         max_episode_steps: a time limit put on every sub-env.
@@ -235,10 +277,13 @@ def check(
             Without ``clean``, cleanbuf's cleaning runs, and the report says
             which cleaning the reproducer recorded.
         progress: a progress bar on stderr (None: on a terminal).
+        time_budget: seconds the truth may take to run again with more
+            steps until every env ended an episode (0: never).
 
     Returns:
         The :class:`report_.CheckReport`; ``report.status`` is 0 (equal), 1 (a
-        difference; the reproducer is written) or 3 (not reproducible).
+        difference; the reproducer is written) or 3 (not reproducible, or
+        an env of the truth ended no episode: nothing was compared).
 
     Raises:
         CleanbufError: the env cannot be built, a producer is unknown or
@@ -270,14 +315,44 @@ def check(
     if num_envs < 1 or steps < 2:
         raise CleanbufError(f"num_envs={num_envs}, steps={steps}: need num_envs >= 1, steps >= 2.")
     source = runs_.EnvSource(env, max_episode_steps)
-    _, action_space = source.probe()
-    names, not_run = _producers(producers, source)
-    if actions is None:
-        actions = runs_.action_sequences(action_space, num_envs, steps, seed)
-    with _progress(progress, steps * (len(names) + 2)) as bar, warnings.catch_warnings():
+    with each_line_once() as stderr:
+        _, action_space = source.probe()
+        names, not_run = _producers(producers, source)
+        limit = runs_.time_limit(source)
+        out, actions = _run_all(
+            source, names, not_run, (num_envs, steps, seed), (actions, action_space),
+            (limit, time_budget), (clean_fn, clean_name), progress, stderr,
+        )  # fmt: skip
+    if out.status == 1:
+        _write_reproducer(out, actions, clean_ref, reproducer, replay)
+    return out
+
+
+def _run_all(source, names, not_run, settings, acts, ends, cleaning, progress, stderr) -> tuple:
+    """The truth (run longer where it held no episode end), then every producer.
+
+    Returns:
+        ``(report, actions)``: the actions each env took (``steps`` of them).
+    """
+    num_envs, steps, seed = settings
+    (actions, action_space), (limit, time_budget) = acts, ends
+    clean_fn, clean_name = cleaning
+    env, max_episode_steps, asked = source.name, source.max_episode_steps, steps
+    with (
+        _progress(progress, steps * (len(names) + 2), stderr) as bar,
+        warnings.catch_warnings(),
+    ):
         # EnvPool's spaces cast their bounds to float32, with a warning each: not the user's.
         warnings.filterwarnings("ignore", message=".*precision lowered by casting")
-        truth = runs_.run_truth(source, num_envs, steps, seed, actions)
+        if actions is None:
+            truth, actions, unseen = _truth_with_ends(
+                source, (num_envs, steps, seed), action_space, limit, time_budget
+            )
+            steps = actions.shape[1]
+            bar.total = steps * (len(names) + 2)
+        else:
+            truth = runs_.run_truth(source, num_envs, steps, seed, actions)
+            unseen = _unseen(truth, steps, limit, time_budget)
         again = runs_.run_truth(source, num_envs, steps, seed, actions)
         bar.update(2 * steps)
         ends = truth["next", "done"]
@@ -294,7 +369,12 @@ def check(
             not_run,
             report_.first_truth_difference(truth, again),
             clean_name,
+            steps_asked=asked,
+            time_limit=limit,
+            unseen=unseen,
         )
+        if out.unseen is not None:
+            return out, actions
         truths = {"": truth}
         if "envpool" in names and out.not_reproducible is None:
             truths["envpool"] = runs_.run_envpool_truth(source, num_envs, steps, seed, actions)
@@ -303,7 +383,7 @@ def check(
             if differ is not None:
                 out.not_reproducible = f"EnvPool's version: {differ}"
         if out.not_reproducible is not None:
-            return out
+            return out, actions
         out.timelines["truth"] = _timeline(truth[0], None, truth[0])
         for name in names:
             result, timeline = _run_one(
@@ -317,9 +397,54 @@ def check(
             )
             out.producers.append(result)
             out.timelines[name] = timeline
-    if out.status == 1:
-        _write_reproducer(out, actions, clean_ref, reproducer, replay)
-    return out
+    return out, actions
+
+
+MAX_STEPS = 100_000  # steps the truth is ever extended to (its rows are kept in memory)
+
+
+def _truth_with_ends(source, settings, action_space, limit, budget) -> tuple:
+    """The truth, run again with more steps until every env ended an episode (or the budget).
+
+    Returns:
+        ``(truth, actions, unseen)``: ``unseen`` says what the truth did
+        not show and the settings that would show it (None: every env
+        ended an episode).
+    """
+    num_envs, steps, seed = settings
+    asked, deadline = steps, time.monotonic() + budget
+    while True:
+        actions = runs_.action_sequences(action_space, num_envs, steps, seed)
+        truth = runs_.run_truth(source, num_envs, steps, seed, actions)
+        unseen = _unseen(truth, steps, limit, budget, asked)
+        if unseen is None or steps >= MAX_STEPS or time.monotonic() >= deadline:
+            return truth, actions, unseen
+        more = 2 * steps if limit is None or limit < steps else max(2 * steps, limit + 1)
+        steps = min(MAX_STEPS, more)
+
+
+def _unseen(
+    truth: Any, steps: int, limit: int | None, budget: float, asked: int | None = None
+) -> str | None:
+    """What the truth did not show, in words with the settings that would show it; or None.
+
+    A producer's way with an episode end is what the check compares: an
+    env of the truth that ended no episode exercised none of it.
+    """
+    ended = truth["next", "done"].reshape(truth.batch_size[0], -1).any(-1)
+    if bool(ended.all()):
+        return None
+    envs = [int(e) for e in (~ended).nonzero().reshape(-1)]
+    longer = 4 * steps if limit is None or limit < steps else limit + 1
+    shorter = max(10, (asked or steps) // 4)  # episodes that end within the steps asked
+    return (
+        f"in {steps} steps (time budget {budget:g} s), env(s) {envs} of the truth ended no "
+        "episode"
+        + ("" if limit is None else f" (time limit: {limit} steps)")
+        + ", so nothing a producer does at an episode end was exercised, and nothing was "
+        f"compared. Run longer, --steps {longer} (steps={longer}), or give the episodes a "
+        f"time limit, --max-episode-steps {shorter} (max_episode_steps={shorter})."
+    )
 
 
 def _write_reproducer(
@@ -366,101 +491,3 @@ def _load(path: str | os.PathLike) -> dict:
             f"{os.fspath(path)!r} is not a cleanbuf check reproducer (no format {_FORMAT!r})."
         )
     return saved
-
-
-EXAMPLES = """examples:
-  cleanbuf check                                   CartPole-v1, 4 envs, 300 steps
-  cleanbuf check Pendulum-v1 --steps 450
-  cleanbuf check Hopper-v5 --producer all --plot hopper.png
-  cleanbuf check mypackage.envs:make_env --max-episode-steps 100
-  cleanbuf check --replay cleanbuf-check-CartPole-v1.json
-
-producers: gym-next-step, gym-same-step, torchrl-gymenv, torchrl-serial,
-torchrl-parallel (starts processes), sb3-dummy, envpool (EnvPool ids only,
-against EnvPool's own env); default: those that start no process and are
-installed.
-
-exit status: 0 cleaned rows equal the explicit-reset run, 1 a difference
-(reproducer written), 2 error, 3 the env is not reproducible under seeds
-"""
-
-
-def parser() -> argparse.ArgumentParser:
-    """The ``cleanbuf check`` command line."""
-    p = argparse.ArgumentParser(
-        prog="cleanbuf check",
-        description="Run ENV under each producer and with explicit resets: what each producer "
-        "stores wrong, and whether cleanbuf's cleaned rows equal the explicit-reset run.",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "env",
-        nargs="?",
-        default="CartPole-v1",
-        help="a Gymnasium id or package.module:function (default: CartPole-v1)",
-    )
-    p.add_argument(
-        "--producer",
-        action="append",
-        metavar="NAME",
-        help="a producer (repeat, or comma-separated; 'all': every one)",
-    )
-    p.add_argument("--num-envs", type=int, default=4, help="sub-envs (default: 4)")
-    p.add_argument("--steps", type=int, default=300, help="steps per producer (default: 300)")
-    p.add_argument("--seed", type=int, default=0, help="sub-env e starts at seed + e (default: 0)")
-    p.add_argument("--max-episode-steps", type=int, help="a time limit on every sub-env")
-    p.add_argument("--plot", metavar="FILE.png", help="draw env 0's rows against the truth")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--reproducer", metavar="FILE", help="where a difference's reproducer goes")
-    p.add_argument("--replay", metavar="FILE", help="run a reproducer again")
-    p.add_argument(
-        "--clean",
-        metavar="MODULE:FUNCTION",
-        help="the cleaning to check, (batches, env) -> rows (default: the filter)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Runs ``cleanbuf check``; returns the exit status."""
-    args = parser().parse_args(argv)
-    producers = None if not args.producer else ",".join(args.producer)
-    # As `python -m` does: a module:function in the working directory imports
-    # (the installed `cleanbuf` script does not look there by itself).
-    here = os.getcwd()
-    added = here not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, here)
-    try:
-        check_plot_path(args.plot)
-        report = check(
-            args.env,
-            producers=producers,
-            num_envs=args.num_envs,
-            steps=args.steps,
-            seed=args.seed,
-            max_episode_steps=args.max_episode_steps,
-            clean=args.clean,
-            reproducer=args.reproducer,
-            replay=args.replay,
-            progress=False if args.no_progress else None,
-        )
-        print(json.dumps(report.to_dict(), indent=1) if args.json else report)
-        if args.plot and report.producers:
-            report.plot(args.plot)
-            print(f"plot: {args.plot}")
-        return report.status
-    except CleanbufError as err:
-        print(f"cleanbuf check: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("cleanbuf check: interrupted", file=sys.stderr)
-        return 2
-    except Exception as err:  # exit 1 means "a difference": anything else is 2
-        print(f"cleanbuf check: {type(err).__name__}: {err}", file=sys.stderr)
-        return 2
-    finally:
-        if added and here in sys.path:
-            sys.path.remove(here)

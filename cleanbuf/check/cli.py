@@ -1,19 +1,29 @@
-"""The command line: ``cleanbuf audit PATH``, ``cleanbuf clean SRC DST``, ``cleanbuf export``.
+"""The ``cleanbuf`` command line, every command: ``check``, ``audit``, ``clean``, ``export``.
 
-``cleanbuf export SRC DATASET_ID`` writes SRC's cleaned episodes as a
-Minari dataset (needs the ``minari`` extra); see :func:`cleanbuf.to_minari`.
+* ``cleanbuf check ENV`` runs an env under each producer and against
+  explicit resets (:func:`cleanbuf.check`);
+* ``cleanbuf audit PATH`` reports the auto-reset artifacts of data on disk
+  (:func:`cleanbuf.audit`);
+* ``cleanbuf clean SRC DST`` writes a cleaned copy (:func:`cleanbuf.clean`);
+* ``cleanbuf export SRC DATASET_ID`` writes SRC's cleaned episodes as a
+  Minari dataset (needs the ``minari`` extra; :func:`cleanbuf.to_minari`).
 
-Exit status, so that ``cleanbuf audit`` can guard a pipeline:
+Exit status, so that ``cleanbuf audit`` and ``cleanbuf check`` can guard a
+pipeline:
 
-* 0: the data is clean (audit: checked, not assumed) or was cleaned (clean);
-* 1: the audit found artifacts (it prints the command that cleans them);
+* 0: the data is clean (audit: checked, not assumed), was cleaned (clean),
+  or every producer's cleaned rows equal the explicit-reset run (check);
+* 1: the audit found artifacts (it prints the command that cleans them), or
+  check found a difference (it writes a reproducer);
 * 2: an error (the message on stderr);
 * 3: the audit cannot tell (the time axis or the envs are not in the data,
-  or no env has two rows to compare); say the layout with ``--layout``.
+  or no env has two rows to compare; say the layout with ``--layout``), or
+  check cannot tell (the env is not reproducible under seeds, or its run
+  held too few episode ends).
 
-Both commands take ``--layout time_first|time_last|flat`` (``--envs N``
-with ``flat``: N envs' rows one env after the other) and ``--key
-ROLE=NAME`` (roles: obs, next_obs, action, reward, done, terminated,
+``audit``, ``clean`` and ``export`` take ``--layout time_first|time_last|flat``
+(``--envs N`` with ``flat``: N envs' rows one env after the other) and
+``--key ROLE=NAME`` (roles: obs, next_obs, action, reward, done, terminated,
 truncated) for arrays named otherwise than TorchRL, CleanRL, offline-RL
 (D4RL) or Stable-Baselines3 name them.
 """
@@ -34,6 +44,7 @@ from cleanbuf.offline._compat import quiet_torchrl_log
 from cleanbuf.offline._names import parse_keys
 
 EXAMPLES = """examples:
+  cleanbuf check CartPole-v1
   cleanbuf audit runs/rb_dump
   cleanbuf audit runs/rb_dump --json
   cleanbuf clean runs/rb_dump runs/rb_clean
@@ -42,8 +53,8 @@ EXAMPLES = """examples:
   cleanbuf audit rows.npz --layout flat --envs 8 --key reward=r
   cleanbuf export runs/rb_dump cartpole/mine-v0 --env CartPole-v1 --author me
 
-exit status: 0 clean (audit) or cleaned (clean), 1 artifacts found,
-2 error, 3 the audit cannot tell (say --layout)
+exit status: 0 clean (audit), cleaned (clean) or equal (check), 1 artifacts
+or a difference found, 2 error, 3 cannot tell (audit: say --layout)
 """
 
 
@@ -66,6 +77,72 @@ def _shape_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+CHECK_EXAMPLES = """examples:
+  cleanbuf check                                   CartPole-v1, 4 envs, 300 steps
+  cleanbuf check Pendulum-v1 --steps 450
+  cleanbuf check Hopper-v5 --producer all --plot hopper.png
+  cleanbuf check mypackage.envs:make_env --max-episode-steps 100
+  cleanbuf check --replay cleanbuf-check-CartPole-v1.json
+
+producers: gym-next-step, gym-same-step, torchrl-gymenv, torchrl-serial,
+torchrl-parallel (starts processes), sb3-dummy, envpool (EnvPool ids only,
+against EnvPool's own env); default: those that start no process and are
+installed.
+
+exit status: 0 cleaned rows equal the explicit-reset run, 1 a difference
+(reproducer written), 2 error, 3 the env is not reproducible under seeds,
+or an env ended no episode (nothing compared: --steps, --max-episode-steps)
+"""
+
+
+def _check_parser(sub) -> None:
+    """``cleanbuf check ENV``: the options of :func:`cleanbuf.check`."""
+    p = sub.add_parser(
+        "check",
+        help="run an env under each producer (Gymnasium, TorchRL, SB3, EnvPool) and with "
+        "explicit resets: what each stores wrong, and whether the cleaned rows equal the "
+        "explicit-reset run",
+        description="Run ENV under each producer and with explicit resets: what each producer "
+        "stores wrong, and whether cleanbuf's cleaned rows equal the explicit-reset run.",
+        epilog=CHECK_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "env",
+        nargs="?",
+        default="CartPole-v1",
+        help="a Gymnasium id or package.module:function (default: CartPole-v1)",
+    )
+    p.add_argument(
+        "--producer",
+        action="append",
+        metavar="NAME",
+        help="a producer (repeat, or comma-separated; 'all': every one)",
+    )
+    p.add_argument("--num-envs", type=int, default=4, help="sub-envs (default: 4)")
+    p.add_argument("--steps", type=int, default=300, help="steps per producer (default: 300)")
+    p.add_argument("--seed", type=int, default=0, help="sub-env e starts at seed + e (default: 0)")
+    p.add_argument("--max-episode-steps", type=int, help="a time limit on every sub-env")
+    p.add_argument("--plot", metavar="FILE.png", help="draw env 0's rows against the truth")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--reproducer", metavar="FILE", help="where a difference's reproducer goes")
+    p.add_argument("--replay", metavar="FILE", help="run a reproducer again")
+    p.add_argument(
+        "--clean",
+        metavar="MODULE:FUNCTION",
+        help="the cleaning to check, (batches, env) -> rows (default: the filter)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long the truth may run again with more steps until every env ended an "
+        "episode (default: 60; 0: never)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cleanbuf",
@@ -78,15 +155,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"cleanbuf {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    # Listed here so that help and a misspelt command name it; the cleanbuf
-    # command (cleanbuf.__main__) runs it, with its own options (check --help).
-    sub.add_parser(
-        "check",
-        help="run an env under each producer (Gymnasium, TorchRL, SB3, EnvPool) and with "
-        "explicit resets: what each stores wrong, and whether the cleaned rows equal the "
-        "explicit-reset run (cleanbuf check --help)",
-        add_help=False,
-    )
+    _check_parser(sub)
     audit = sub.add_parser("audit", help="report the artifacts; exit 1 if there are any")
     audit.add_argument("path")
     audit.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -209,6 +278,7 @@ FLAGS = {
     "on_lost_terminal_obs=": "--on-lost-terminal-obs nan|drop|raise|keep",
     "joint_reset=": "--joint-reset yes|no",
     "mode=": "--mode next_step|same_step|disabled",
+    "layout=": "--layout time_first|time_last|flat (with --envs N)",
 }
 
 
@@ -240,6 +310,8 @@ def flags_for(message: str) -> str:
     Examples:
         >>> flags_for("... or pass check_reset_rows=False.")
         ' (on the command line: check_reset_rows=False is --no-check-reset-rows)'
+        >>> flags_for("pass --mode same_step (mode='same_step')")
+        ''
         >>> flags_for("nothing to say")
         ''
     """
@@ -247,6 +319,7 @@ def flags_for(message: str) -> str:
         f"{word} is {flag}"
         for word, flag in FLAGS.items()
         if re.search(rf"(?<![\w.]){re.escape(word)}", message)
+        and flag.split()[0] not in message  # (a message that names the flag already)
     ]
     return f" (on the command line: {'; '.join(said)})" if said else ""
 
@@ -276,8 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     if args.command == "check":
-        print("cleanbuf check runs from the cleanbuf command: cleanbuf check ENV", file=sys.stderr)
-        return 2
+        return _check(args)
     with quiet_torchrl_log():  # no TorchRL INFO line among the report or the stats
         return _run(args, audit, clean_dataset)
 
@@ -302,6 +374,7 @@ def _run(args: argparse.Namespace, audit, clean_dataset) -> int:
             force=args.force,
             progress=not args.no_progress,
             say=lambda note: print(f"cleanbuf clean: {note}", file=sys.stderr),
+            command_line=True,
             **options,
         )
         stats, report = done.stats, done.report
@@ -330,5 +403,46 @@ def _run(args: argparse.Namespace, audit, clean_dataset) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _check(args: argparse.Namespace) -> int:
+    """Runs ``cleanbuf check``; prints its report; returns the exit status."""
+    from cleanbuf.check.checker import check
+
+    producers = None if not args.producer else ",".join(args.producer)
+    # As `python -m` does: a module:function in the working directory imports
+    # (the installed `cleanbuf` script does not look there by itself).
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        check_plot_path(args.plot)
+        report = check(
+            args.env,
+            producers=producers,
+            num_envs=args.num_envs,
+            steps=args.steps,
+            seed=args.seed,
+            max_episode_steps=args.max_episode_steps,
+            clean=args.clean,
+            reproducer=args.reproducer,
+            replay=args.replay,
+            progress=False if args.no_progress else None,
+            time_budget=args.time_budget,
+        )
+        print(json.dumps(report.to_dict(), indent=1) if args.json else report)
+        if args.plot and report.producers:
+            report.plot(args.plot)
+            print(f"plot: {args.plot}")
+        return report.status
+    except CleanbufError as err:
+        print(f"cleanbuf check: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cleanbuf check: interrupted", file=sys.stderr)
+        return 2
+    except Exception as err:  # exit 1 means "a difference": anything else is 2
+        print(f"cleanbuf check: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if added and here in sys.path:
+            sys.path.remove(here)

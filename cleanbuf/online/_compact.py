@@ -1,0 +1,650 @@
+"""The compact storage: each observation stored once, next observations rebuilt exactly.
+
+A cleaned transition holds its observation twice: as ``obs`` of row t and
+as ``("next", obs)`` of row t, which within a stream is ``obs`` of the
+stream's next row, except at episode ends and stream cuts. A
+:class:`CompactStorage` stores ``obs`` only, and per row one int32
+*link*:
+
+- ``link >= 0``: the slot whose ``obs`` is, byte for byte, this row's
+  ``("next", obs)`` (every observation key). A link is made only after that
+  byte comparison, at write time: exact by construction;
+- ``link <= -2``: this row's ``("next", obs)`` is in a small *side table*, at
+  ``-2 - link``. Episode ends, rows whose terminal observation the filter
+  marked lost (NaN), stream cuts, and the last written row of each stream
+  (until its successor comes in a later write, is verified, and frees the
+  entry) live there.
+
+Which stored row follows which comes from a per-row stream index that the
+:class:`~cleanbuf.AutoresetFilter` adds to its rows when its buffer's
+storage is a ``CompactStorage`` (a column this storage reads and never
+stores); rows written without it are read as one stream in write order.
+The index only says where to look: every link is verified, so a wrong one
+costs a side-table entry, never a wrong observation.
+
+TorchRL's writer keeps the cursor. A round-robin ring overwrites the
+oldest slots first, and a row always links to a row written after it, so
+a row whose successor is overwritten has been overwritten already. A
+write anywhere else (a gap after a failed write, ``write_at``) first moves
+the next observation of every row still linking into the slots written to
+the side table. A writer that chooses its own slots
+(``TensorDictMaxValueWriter``) is refused at the first write.
+"""
+
+from __future__ import annotations
+
+import json
+from multiprocessing.context import get_spawning_popen
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import NestedKey, TensorDict, TensorDictBase
+from torchrl.data import LazyTensorStorage
+
+from cleanbuf.engine._errors import InputError, LayoutError, StateError
+from cleanbuf.engine._keys import NEXT, may_be_observation
+
+STREAM_KEY = "_cleanbuf_stream"
+"""The per-row stream index the filter adds for a compact storage (never stored)."""
+
+MARKER = "cleanbuf_compact.json"
+"""The file that marks a compact storage's dump (``rb.dumps(path)``: in ``path/storage``)."""
+
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[n, words]`` integers, so that ``==`` compares bytes (NaN, -0.0).
+
+    The widest integer word that divides a row (and its offset) is used:
+    a ``[4, 84, 84]`` uint8 frame is compared as 3528 int64 words.
+    """
+    x = x.reshape(x.shape[0], -1)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    row = x.shape[1] * x.dtype.itemsize
+    offset = x.storage_offset() * x.dtype.itemsize
+    for size in (8, 4, 2, 1):
+        if size >= x.dtype.itemsize and not row % size and not offset % size:
+            break
+    if size == x.dtype.itemsize and not (
+        x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool
+    ):
+        return x
+    if x.shape[0] > 1 and x.stride(0) != x.shape[1]:
+        x = x.contiguous()
+    return x.view(_INTS[size])
+
+
+def rows_equal(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per row, whether ``x`` and ``y`` hold the same bytes.
+
+    Examples:
+        >>> nan = float("nan")
+        >>> rows_equal(torch.tensor([[nan], [0.0]]), torch.tensor([[nan], [-0.0]])).tolist()
+        [True, False]
+    """
+    if x.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.bool, device=x.device)
+    return (_bits(x) == _bits(y)).all(1)
+
+
+def is_compact(storage: Any) -> bool:
+    """Whether ``storage`` is a :class:`CompactStorage` (the filter then adds stream indices)."""
+    return isinstance(storage, CompactStorage)
+
+
+def with_stream_index(td: TensorDictBase, layout: str | None, stream_key: Any) -> TensorDictBase:
+    """``td`` (a shallow copy) with each row's stream index under :data:`STREAM_KEY`.
+
+    The index is the env's position in the batch (``[*E, T]``: the flat
+    index of ``*E``; ``[T, *E]``: of ``*E``; one step ``[E]``: of E), the
+    stream key's value for flat rows, and 0 for one stream ``[T]``. The
+    cleaner passes the column through with its row, held rows included.
+
+    Args:
+        td: the batch, as the filter gets it.
+        layout: the filter's ``layout`` option.
+        stream_key: the filter's ``stream_key`` option.
+
+    Returns:
+        The batch with the column (the caller's batch is unchanged).
+
+    Examples:
+        >>> td = TensorDict({"obs": torch.zeros(2, 3)}, batch_size=[2, 3])
+        >>> with_stream_index(td, None, None)[STREAM_KEY].tolist()
+        [[0, 0, 0], [1, 1, 1]]
+    """
+    shape = td.batch_size
+    device = td.device
+    if layout == "stream_key" and stream_key is not None and stream_key in td.keys(True, True):
+        value = td.get(stream_key)
+        ids = value.reshape(*shape, -1)[..., 0].to(torch.int64)
+    elif len(shape) <= 1 and layout != "step":
+        ids = torch.zeros(shape, dtype=torch.int64, device=device)
+    elif layout == "step":
+        ids = torch.arange(shape.numel(), device=device).reshape(shape)
+    elif layout == "time_first":
+        envs = shape[1:].numel()
+        ids = torch.arange(envs, device=device).reshape(shape[1:]).expand(shape)
+    else:  # [*E, T]
+        envs = shape[:-1].numel()
+        ids = torch.arange(envs, device=device).reshape(*shape[:-1], 1).expand(shape)
+    out = td.copy()
+    out.set(STREAM_KEY, ids if device is None else ids.to(device))
+    return out
+
+
+class CompactStorage(LazyTensorStorage):
+    """A replay-buffer storage that keeps each observation once and gives back every next one.
+
+    Use it as the ``storage`` of a TorchRL ``ReplayBuffer`` whose transform
+    is an :class:`~cleanbuf.AutoresetFilter`, with TorchRL's own
+    round-robin writer and any sampler (``RandomSampler``,
+    ``PrioritizedSampler``, ``SliceSampler``). ``("next", k)`` is not
+    stored for an observation key ``k``: ``get`` rebuilds it from the
+    ``k`` of the row that follows in the same stream, or from a small side
+    table at episode ends, lost terminal observations, stream cuts and
+    the newest row of each stream. Every sample equals, bit for bit and
+    key for key, what a ``LazyTensorStorage`` of the same buffer returns.
+    The link table, the side table and the sample's gathers live on the
+    storage's ``device``. ``state_dict``, ``rb.dumps`` / ``rb.loads`` and
+    ``rb.empty()`` work as with TorchRL's storages.
+
+    Args:
+        max_size: the number of rows the storage holds.
+        device: where rows, links and the side table live ("auto": the
+            first batch's device).
+        observation_keys: the keys stored once (None: every root key
+            stored with a ``("next", k)`` twin of the same dtype and shape,
+            done, reward and bookkeeping keys excluded).
+
+    Raises:
+        LayoutError: ``ndim`` other than 1, or (at the first write) a
+            writer that chooses its own slots.
+        InputError: (at the first write) no observation key to keep once,
+            or a declared key without its ``("next", k)`` twin.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import ReplayBuffer
+        >>> from cleanbuf import AutoresetFilter, CompactStorage
+        >>> rb = ReplayBuffer(storage=CompactStorage(100), transform=AutoresetFilter("next_step"))
+        >>> batch = TensorDict({  # [E=1, T=4]: done at t=1, reset row at t=2
+        ...     "observation": torch.tensor([[[0.0], [1.0], [2.0], [10.0]]]),
+        ...     ("next", "observation"): torch.tensor([[[1.0], [0.0], [10.0], [11.0]]]),
+        ...     ("next", "reward"): torch.tensor([[[1.0], [1.0], [0.0], [1.0]]]),
+        ...     ("next", "done"): torch.tensor([[[False], [True], [False], [False]]]),
+        ... }, batch_size=[1, 4])
+        >>> _ = rb.extend(batch)
+        >>> rb[:]["next", "observation"].flatten().tolist()
+        [1.0, 2.0, 11.0]
+        >>> rb.storage.side_rows  # the episode's end and the newest row
+        2
+    """
+
+    def __init__(
+        self,
+        max_size: int,
+        *,
+        device: torch.device | str = "cpu",
+        observation_keys: list[NestedKey] | None = None,
+        ndim: int = 1,
+    ):
+        if ndim != 1:
+            raise LayoutError(
+                f"CompactStorage(ndim={ndim}): a compact storage holds flat rows (ndim=1), "
+                "which is what AutoresetFilter writes. Build it with ndim=1 (the default)."
+            )
+        super().__init__(max_size, device=device)
+        declared = None
+        if observation_keys is not None:
+            declared = [(k,) if isinstance(k, str) else tuple(k) for k in observation_keys]
+        self._declared = declared
+        self._reset_links()
+
+    # ----------------------------------------------------------- state
+    def _reset_links(self) -> None:
+        self._obs_keys: list[tuple] | None = None  # set at the first write
+        self._link: torch.Tensor | None = None  # int32 [max_size]
+        self._side: TensorDict | None = None  # ("next", k) rows, [capacity]
+        self._free = torch.zeros(0, dtype=torch.int64)  # free side entries (a stack)
+        self._n_free = 0
+        self._pend_stream = torch.zeros(0, dtype=torch.int64)  # sorted stream ids
+        self._pend_slot = torch.zeros(0, dtype=torch.int64)  # their newest slot
+        self._next_slot = 0  # where an in-order write starts
+        self._checked_writer = False
+
+    @property
+    def side_rows(self) -> int:
+        """The rows whose next observation is in the side table now."""
+        return 0 if self._side is None else self._side.batch_size[0] - self._n_free
+
+    @property
+    def observation_keys(self) -> list[tuple] | None:
+        """The keys stored once (known after the first write)."""
+        return None if self._obs_keys is None else list(self._obs_keys)
+
+    def nbytes(self) -> int:
+        """The bytes this storage holds: rows, links and side table (allocated, not used)."""
+        total = 0
+        if self._storage is not None:
+            total += sum(t.numel() * t.element_size() for t in self._storage.values(True, True))
+        if self._link is not None:
+            total += self._link.numel() * self._link.element_size()
+        if self._side is not None:
+            total += sum(t.numel() * t.element_size() for t in self._side.values(True, True))
+        total += self._free.numel() * 8 + (self._pend_slot.numel() + self._pend_stream.numel()) * 8
+        return total
+
+    # ----------------------------------------------------------- first write
+    def _check_writer(self) -> None:
+        from torchrl.data.replay_buffers.writers import RoundRobinWriter
+
+        for owner in self._attached_entities:
+            writer = getattr(owner, "_writer", None)
+            if writer is not None and not isinstance(writer, RoundRobinWriter):
+                raise LayoutError(
+                    f"CompactStorage needs a writer that writes rows in order (TorchRL's "
+                    f"RoundRobinWriter, the default); this buffer's writer is "
+                    f"{type(writer).__name__}, which chooses its own slots, so a row's next "
+                    "observation could be overwritten out of turn. Build the buffer without "
+                    "writer= (or with writer=RoundRobinWriter()), or use LazyTensorStorage "
+                    "with this writer. Nothing was written."
+                )
+        self._checked_writer = True
+
+    def _find_keys(self, data: TensorDictBase) -> list[tuple]:
+        leaves = {k if isinstance(k, tuple) else (k,): v for k, v in data.items(True, True)}
+        if self._declared is not None:
+            missing = [k for k in self._declared if k not in leaves or (NEXT, *k) not in leaves]
+            if missing:
+                raise InputError(
+                    f"CompactStorage(observation_keys=...): {missing} not found with a "
+                    f"('next', ...) twin in the rows written (keys: {sorted(leaves, key=str)}). "
+                    "Name keys stored both at the root and under 'next'. Nothing was written."
+                )
+            keys = list(self._declared)
+        else:
+            keys = []
+            for k, v in leaves.items():
+                twin = leaves.get((NEXT, *k))
+                if (
+                    may_be_observation(k)
+                    and k[0] != STREAM_KEY
+                    and twin is not None
+                    and isinstance(v, torch.Tensor)
+                    and twin.dtype == v.dtype
+                    and twin.shape == v.shape
+                ):
+                    keys.append(k)
+        if not keys:
+            raise InputError(
+                "CompactStorage found no observation key stored with its ('next', k) twin "
+                f"of the same dtype and shape in the rows written (keys: "
+                f"{sorted(leaves, key=str)}), so nothing can be stored once. Use "
+                "LazyTensorStorage, or pass observation_keys=[...]. Nothing was written."
+            )
+        for k in keys:
+            a, b = leaves[k], leaves[(NEXT, *k)]
+            if a.dtype != b.dtype or a.shape != b.shape:
+                raise InputError(
+                    f"CompactStorage: {k} is {a.dtype} {list(a.shape)} but {(NEXT, *k)} is "
+                    f"{b.dtype} {list(b.shape)}; a key stored once needs its twin alike. "
+                    "Leave it out of observation_keys. Nothing was written."
+                )
+        return keys
+
+    # ----------------------------------------------------------- side table
+    def _alloc(self, n: int) -> torch.Tensor:
+        """``n`` free side entries (the table grows by doubling)."""
+        if self._n_free < n:
+            cap = self._side.batch_size[0]
+            new_cap = max(2 * cap, cap + n - self._n_free, 64)
+            side = TensorDict(
+                {
+                    k: torch.empty((new_cap, *v.shape[1:]), dtype=v.dtype, device=v.device)
+                    for k, v in self._side.items(True, True)
+                },
+                batch_size=[new_cap],
+                device=self._side.device,
+            )
+            side[:cap] = self._side
+            self._side = side
+            free = torch.empty(new_cap, dtype=torch.int64, device=self._free.device)
+            free[: self._n_free] = self._free[: self._n_free]
+            grown = torch.arange(cap, new_cap, device=free.device)
+            free[self._n_free : self._n_free + grown.numel()] = grown.flip(0)
+            self._free = free
+            self._n_free += grown.numel()
+        self._n_free -= n
+        return self._free[self._n_free : self._n_free + n].clone()
+
+    def _release(self, entries: torch.Tensor) -> None:
+        m = entries.numel()
+        if m:
+            self._free[self._n_free : self._n_free + m] = entries
+            self._n_free += m
+
+    # ----------------------------------------------------------- write
+    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+        """Writes rows at ``cursor``; their next observations become links or side entries."""
+        if not isinstance(data, TensorDictBase):
+            raise InputError(
+                f"CompactStorage stores TensorDict rows; got {type(data).__name__}. Use "
+                "LazyTensorStorage for other data. Nothing was written."
+            )
+        if not self._checked_writer:
+            self._check_writer()
+        one = isinstance(cursor, int) or (isinstance(cursor, torch.Tensor) and cursor.ndim == 0)
+        rows = data.unsqueeze(0) if one and data.batch_dims == 0 else data
+        if self.device == "auto":
+            self.device = rows.device if rows.device is not None else torch.device("cpu")
+        device = self.device
+        if rows.device != device:
+            rows = rows.to(device)
+        sid = rows.get(STREAM_KEY, None)
+        if sid is not None:
+            rows = rows.exclude(STREAM_KEY)
+            sid = sid.reshape(-1).to(device=device, dtype=torch.int64)
+        n = rows.batch_size[0]
+        slots = self._slots_written(cursor, n, device)
+        if sid is None:
+            sid = torch.full((n,), -1, dtype=torch.int64, device=device)
+        if slots.numel() != n:
+            raise InputError(
+                f"CompactStorage: a write of {n} rows at {slots.numel()} slots. Write rows "
+                "through the replay buffer (rb.extend / rb.add). Nothing was written."
+            )
+        keys = self._obs_keys if self._obs_keys is not None else self._find_keys(rows)
+        nkeys = [(NEXT, *k) for k in keys]
+        for k in keys:
+            if (NEXT, *k) not in rows.keys(True, True):
+                raise InputError(
+                    f"CompactStorage: the rows written have {k} but not {(NEXT, *k)}; every "
+                    "write needs both (AutoresetFilter writes both; with "
+                    "Collector(compact_obs=True) keep the filter's compact=False). Nothing "
+                    "was written."
+                )
+        if n > self.max_size:  # only the last max_size rows stay (as TorchRL stores them)
+            rows, slots, sid = (
+                rows[-self.max_size :],
+                slots[-self.max_size :],
+                sid[-self.max_size :],
+            )
+            cursor = slots
+        plan = self._plan(rows, slots, sid, keys, nkeys, set_cursor)
+        stored = rows.exclude(*nkeys)
+        super().set(
+            cursor, stored[0] if one and data.batch_dims == 0 else stored, set_cursor=set_cursor
+        )
+        if self._obs_keys is None:
+            self._obs_keys = keys
+            self._link = torch.full((self.max_size,), -1, dtype=torch.int32, device=device)
+            self._side = TensorDict(
+                {
+                    nk: torch.empty(
+                        (0, *rows.get(nk).shape[1:]), dtype=rows.get(nk).dtype, device=device
+                    )
+                    for nk in nkeys
+                },
+                batch_size=[0],
+                device=device,
+            )
+            self._free = torch.zeros(0, dtype=torch.int64, device=device)
+            self._pend_stream = self._pend_stream.to(device)
+            self._pend_slot = self._pend_slot.to(device)
+        self._commit(plan, rows, slots, nkeys)
+
+    def _slots_written(self, cursor: Any, n: int, device: torch.device) -> torch.Tensor:
+        if isinstance(cursor, slice):
+            return torch.arange(self.max_size, device=device)[cursor]
+        if isinstance(cursor, range):
+            return torch.as_tensor(list(cursor), dtype=torch.int64, device=device)
+        return torch.as_tensor(cursor, device=device).reshape(-1).to(torch.int64)
+
+    def _plan(self, rows, slots, sid, keys, nkeys, in_order: bool) -> dict:
+        """Everything a write changes, computed before anything is written."""
+        n = slots.numel()
+        device = slots.device
+        plan: dict = {}
+        # Rows linking into the slots written, other than by ring order (a gap, write_at):
+        # their next observations move to the side table first.
+        expected = (self._next_slot + torch.arange(n, device=device)) % self.max_size
+        ordered = in_order and bool((slots == expected).all()) if n else True
+        if self._link is not None and not ordered:
+            link = self._link.long()
+            into = (link >= 0) & torch.isin(link, slots)
+            into[slots] = False
+            rows_in = into.nonzero().flatten()
+            plan["detach"] = (
+                rows_in,
+                {nk: self._storage.get(k)[link[rows_in]] for k, nk in zip(keys, nkeys)},
+            )
+        # Within the write: each row with the next row of its stream.
+        order = torch.argsort(sid, stable=True)
+        s_sorted = sid[order]
+        same = s_sorted[1:] == s_sorted[:-1]
+        a = order[:-1][same]
+        b = order[1:][same]
+        eq = torch.ones(a.numel(), dtype=torch.bool, device=device)
+        if a.numel():
+            if bool(((b - a) == 1).all()):  # in row order: compare views, no gather
+                for k, nk in zip(keys, nkeys):
+                    adj = rows_equal(rows.get(nk)[:-1], rows.get(k)[1:])
+                    eq &= adj[a]
+            else:
+                for k, nk in zip(keys, nkeys):
+                    eq &= rows_equal(rows.get(nk)[a], rows.get(k)[b])
+        plan["links"] = (a[eq], b[eq])
+        # The first row of each stream continues that stream's newest row of an earlier write.
+        first = torch.ones(n, dtype=torch.bool, device=device)
+        first[1:] = ~same
+        last = torch.ones(n, dtype=torch.bool, device=device)
+        last[:-1] = ~same
+        f_pos, f_sid = order[first], s_sorted[first]
+        l_pos, l_sid = order[last], s_sorted[last]
+        joined = (torch.zeros(0, dtype=torch.int64, device=device),) * 2
+        if self._pend_stream.numel() and self._link is not None:
+            where = torch.searchsorted(self._pend_stream, f_sid).clamp_max(
+                self._pend_stream.numel() - 1
+            )
+            hit = self._pend_stream[where] == f_sid
+            r = self._pend_slot[where[hit]]
+            s_pos = f_pos[hit]
+            # a pending row overwritten by this write is gone
+            alive = ~torch.isin(r, slots) & (self._link[r] <= -2)
+            r, s_pos = r[alive], s_pos[alive]
+            ok = torch.ones(r.numel(), dtype=torch.bool, device=device)
+            entries = -2 - self._link[r].long()
+            for k, nk in zip(keys, nkeys):
+                ok &= rows_equal(self._side.get(nk)[entries], rows.get(k)[s_pos])
+            joined = (r[ok], s_pos[ok])
+        plan["joined"] = joined
+        # Side entries: unverified pairs and each stream's newest row.
+        plan["side"] = torch.cat([a[~eq], l_pos])
+        keep = None
+        if self._pend_stream.numel():
+            keep = ~torch.isin(self._pend_stream, l_sid) & ~torch.isin(self._pend_slot, slots)
+        plan["pending"] = (keep, l_sid, l_pos)
+        return plan
+
+    def _commit(self, plan: dict, rows, slots, nkeys) -> None:
+        """Applies a write's plan (after the rows were stored)."""
+        link = self._link
+        detach = plan.get("detach")
+        if detach is not None:
+            rows_in, values = detach
+            if rows_in.numel():
+                entries = self._alloc(rows_in.numel())
+                for nk, v in values.items():
+                    self._side.get(nk)[entries] = v
+                link[rows_in] = (-2 - entries).to(torch.int32)
+        # The slots written: their old side entries are freed.
+        old = link[slots].long()
+        self._release(-2 - old[old <= -2])
+        link[slots] = -1
+        r, s_pos = plan["joined"]
+        if r.numel():
+            self._release(-2 - link[r].long())
+            link[r] = slots[s_pos].to(torch.int32)
+        a, b = plan["links"]
+        link[slots[a]] = slots[b].to(torch.int32)
+        side = plan["side"]
+        if side.numel():
+            entries = self._alloc(side.numel())
+            for nk in nkeys:
+                self._side.get(nk)[entries] = rows.get(nk)[side]
+            link[slots[side]] = (-2 - entries).to(torch.int32)
+        keep, l_sid, l_pos = plan["pending"]
+        stream = l_sid if keep is None else torch.cat([self._pend_stream[keep], l_sid])
+        slot = slots[l_pos] if keep is None else torch.cat([self._pend_slot[keep], slots[l_pos]])
+        order = torch.argsort(stream)
+        self._pend_stream, self._pend_slot = stream[order], slot[order]
+        if slots.numel():
+            self._next_slot = int(slots[-1]) + 1 if slots.numel() else self._next_slot
+            self._next_slot %= self.max_size
+
+    # ----------------------------------------------------------- read
+    def get(self, index: Any) -> Any:
+        """The rows at ``index``, with ``("next", k)`` rebuilt for every key stored once."""
+        out = super().get(index)
+        if self._obs_keys is None:
+            return out
+        slots = self._slots_read(index)
+        link = self._link[slots.reshape(-1)].long()
+        side_rows = (link < 0).nonzero().flatten()
+        entries = -2 - link[side_rows]
+        target = link.clamp_min(0)
+        for k in self._obs_keys:
+            value = self._storage.get(k)[target]
+            value[side_rows] = self._side.get((NEXT, *k))[entries]
+            out.set((NEXT, *k), value.reshape(*slots.shape, *value.shape[1:]))
+        return out
+
+    def _slots_read(self, index: Any) -> torch.Tensor:
+        length = len(self)
+        if isinstance(index, int):
+            return torch.as_tensor(index % length if index < 0 else index, device=self._link.device)
+        if isinstance(index, torch.Tensor) and index.dtype != torch.bool:
+            index = index.to(self._link.device, torch.int64)
+            return torch.where(index < 0, index + length, index)
+        if isinstance(index, (list, tuple)) and all(isinstance(i, int) for i in index):
+            t = torch.as_tensor(index, dtype=torch.int64, device=self._link.device)
+            return torch.where(t < 0, t + length, t)
+        return torch.arange(length, device=self._link.device)[index]
+
+    # ----------------------------------------------------------- lifecycle
+    def _empty(self) -> None:
+        super()._empty()
+        checked = self._checked_writer
+        keys, link, side = self._obs_keys, self._link, self._side
+        self._reset_links()
+        self._checked_writer = checked
+        if link is not None:  # the layout stays; every side entry is free again
+            self._obs_keys, self._link = keys, link.fill_(-1)
+            self._side = side
+            cap = side.batch_size[0]
+            self._free = torch.arange(cap - 1, -1, -1, device=link.device)
+            self._n_free = cap
+            self._pend_stream = self._pend_stream.to(link.device)
+            self._pend_slot = self._pend_slot.to(link.device)
+
+    def _compact_state(self) -> dict:
+        return {
+            "observation_keys": None
+            if self._obs_keys is None
+            else [list(k) for k in self._obs_keys],
+            "link": self._link,
+            # the next observations of the side table, one tensor per key (in key order)
+            "side": None
+            if self._side is None
+            else [self._side.get((NEXT, *k)) for k in self._obs_keys],
+            "side_capacity": 0 if self._side is None else self._side.batch_size[0],
+            "free": self._free[: self._n_free].clone(),
+            "pend_stream": self._pend_stream,
+            "pend_slot": self._pend_slot,
+            "next_slot": self._next_slot,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """TorchRL's storage state, with the links and the side table under ``"compact"``."""
+        state = super().state_dict()
+        state["compact"] = self._compact_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads what :meth:`state_dict` returned (a plain storage's state is refused)."""
+        compact = state_dict.get("compact")
+        if compact is None:
+            raise StateError(
+                "CompactStorage.load_state_dict: this state has no 'compact' entry, so it is "
+                "not a CompactStorage's (a LazyTensorStorage's state holds every next "
+                "observation). Load it into the storage that saved it. Nothing was changed."
+            )
+        super().load_state_dict(state_dict)
+        self._load_compact(compact)
+
+    def _load_compact(self, compact: dict) -> None:
+        device = self.device if self.device != "auto" else torch.device("cpu")
+        keys = compact["observation_keys"]
+        if keys is None:
+            checked = self._checked_writer
+            self._reset_links()
+            self._checked_writer = checked
+            return
+        self._obs_keys = [tuple(k) for k in keys]
+        self._link = compact["link"].to(device).clone()
+        cap = compact["side_capacity"]
+        self._side = TensorDict(
+            {(NEXT, *k): t.to(device).clone() for k, t in zip(self._obs_keys, compact["side"])},
+            batch_size=[cap],
+            device=device,
+        )
+        free = compact["free"].to(device)
+        self._free = torch.empty(cap, dtype=torch.int64, device=device)
+        self._free[: free.numel()] = free
+        self._n_free = free.numel()
+        self._pend_stream = compact["pend_stream"].to(device).clone()
+        self._pend_slot = compact["pend_slot"].to(device).clone()
+        self._next_slot = int(compact["next_slot"])
+
+    def dumps(self, path: Any) -> None:
+        """Saves the rows (TorchRL's format) and, beside them, the links and side table."""
+        super().dumps(path)
+        path = Path(path)
+        torch.save(self._compact_state(), path / "cleanbuf_compact.pt")
+        with open(path / MARKER, "w") as file:
+            json.dump({"format": "cleanbuf.CompactStorage", "version": 1}, file)
+
+    def loads(self, path: Any) -> None:
+        """Loads what :meth:`dumps` saved (a plain storage's dump is refused)."""
+        path = Path(path)
+        if not (path / MARKER).exists():
+            raise StateError(
+                f"CompactStorage.loads({str(path)!r}): no {MARKER} there, so this is not a "
+                "CompactStorage's dump. Load it into a LazyTensorStorage (or the storage "
+                "that saved it). Nothing was changed."
+            )
+        compact = torch.load(path / "cleanbuf_compact.pt", weights_only=False)
+        super().loads(path)
+        self._load_compact(compact)
+
+    def __getstate__(self) -> dict:
+        if get_spawning_popen() is not None:
+            raise LayoutError(
+                "a CompactStorage cannot be shared with worker processes: its links and side "
+                "table change size and live in this process. Let the workers send their "
+                "batches (a collector without replay_buffer=, or MultiSyncCollector / "
+                "MultiAsyncCollector iterated here) and call rb.extend(batch) in this process."
+            )
+        return super().__getstate__()
+
+    def __repr__(self) -> str:
+        keys = self._obs_keys
+        return (
+            f"CompactStorage(max_size={self.max_size}, len={len(self)}, device={self.device}, "
+            f"observation_keys={keys}, side_rows={self.side_rows})"
+        )
