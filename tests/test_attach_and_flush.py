@@ -138,13 +138,13 @@ def _explicit_reset_rows(steps: int):
 def test_the_list_error_fix_runs_as_printed():
     """Bug caught: ``rb.extend([td, td])`` said ``Fix: wrap it
     (tensordict.TensorDict(data, batch_size=[E, T]))``, which fails inside
-    tensordict for a list. Now the fix fits what the list holds (steps
-    ``[E]``: ``torch.stack(data, dim=1)``; ``[E, T]`` batches: each in
-    turn, or ``torch.cat(data, dim=-1)``) and each runs as printed, storing
-    what the filter stores from the same rows written one by one.
+    tensordict for a list; then its ``torch.stack(data, dim=1)`` failed for
+    a filter built with ``layout="step"`` (or ``"time_first"``). Now the
+    fix fits what the list holds and the filter's layout, and each runs as
+    printed, storing what the filter stores from the same rows written one
+    step at a time.
     """
     import torch
-    from tensordict import TensorDict
 
     steps = _loop_rows(40)
 
@@ -157,23 +157,31 @@ def test_the_list_error_fix_runs_as_printed():
         want_rb.extend(td)
     want_filt.flush(want_rb)
     want = want_rb[: len(want_rb)]
-    for data in (steps, [torch.stack(steps[:20], 1), torch.stack(steps[20:], 1)]):
-        rb, filt = buffer()
-        with pytest.raises(cleanbuf.InputError) as err:
-            rb.extend(data)
-        fixes = re.findall(r"(rb\.extend\(torch\.\w+\(data, dim=-?1\)\)|for td in data: "
-                           r"rb\.extend\(td\))", str(err.value))  # fmt: skip
-        assert fixes and "Nothing was written" in str(err.value), str(err.value)
-        assert len(rb) == 0
-        for fix in fixes:
-            rb, filt = buffer()
-            exec(fix, {"rb": rb, "data": data, "torch": torch})
-            filt.flush(rb)
-            got = rb[: len(rb)]
-            assert len(got) == len(want), fix
-            for e in range(E):
-                a, b = got[got["env_id"] == e], want[want["env_id"] == e]
-                assert (a["next", "observation"] == b["next", "observation"]).all(), fix
+    pattern = (r"(rb\.extend\(torch\.\w+\(data, dim=-?\d\)\)|for td in data: "
+               r"rb\.extend\(td\)|for td in data: \[rb\.extend\(step\) for step in "
+               r"td\.unbind\(1\)\])")  # fmt: skip
+    for layout in (None, "time_last", "time_first", "step"):
+        dim = 0 if layout == "time_first" else 1
+        batches = [torch.stack(steps[:20], dim), torch.stack(steps[20:], dim)]
+        for data in (steps, batches):
+            rb, filt = buffer(layout)
+            with pytest.raises(cleanbuf.InputError) as err:
+                rb.extend(data)
+            fixes = re.findall(pattern, str(err.value))
+            assert fixes and "Nothing was written" in str(err.value), str(err.value)
+            assert len(rb) == 0
+            for fix in fixes:
+                rb, filt = buffer(layout)
+                exec(fix, {"rb": rb, "data": data, "torch": torch})
+                filt.flush(rb)
+                got = rb[: len(rb)]
+                assert len(got) == len(want), (layout, fix)
+                for e in range(E):
+                    a, b = got[got["env_id"] == e], want[want["env_id"] == e]
+                    assert (a["next", "observation"] == b["next", "observation"]).all(), fix
+
+    from tensordict import TensorDict
+
     batch = torch.stack(steps, 1)
     data = {"observation": batch["observation"], "next": batch["next"].to_dict()}
     rb, _ = buffer()

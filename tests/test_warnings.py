@@ -45,6 +45,37 @@ def test_lost_terminal_observations_warn_once():
         assert fragment in message
 
 
+def test_the_lost_warning_producers_run_as_printed():
+    """Bug caught: the warning's aside ``gymnasium.make_vec(...,
+    vector_kwargs={'autoreset_mode': ...})`` failed for CartPole, whose
+    default vectorization builds its own vector env that takes no
+    ``autoreset_mode``. Both producers it names now run as printed (name
+    and num_envs filled in) and build a same-step or disabled vector env.
+    """
+    import re
+
+    import gymnasium
+    from gymnasium.vector import AutoresetMode
+
+    import cleanbuf
+
+    filt = AutoresetFilter("next_step", joint_reset=True)
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+    with pytest.warns(CleanbufWarning) as record:
+        for batch in _joint_batches():
+            rb.extend(batch)
+    message = str(lost_warnings(record)[0].message)
+    calls = re.findall(r"(cleanbuf\.lossless_gym_env\([^)]*\)|gymnasium\.make_vec\(.*?\}\))",
+                       message)  # fmt: skip
+    assert len(calls) == 2, message
+    for call in calls:
+        names = {"cleanbuf": cleanbuf, "gymnasium": gymnasium, "AutoresetMode": AutoresetMode}
+        env = eval(call, {**names, "name": "CartPole-v1", "num_envs": 2})
+        vec = getattr(env, "_env", env)
+        assert vec.metadata["autoreset_mode"] in (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
+        env.close()
+
+
 def test_no_warning_when_a_policy_is_chosen():
     """Bug caught: warning users who chose how lost observations are stored."""
     filt = AutoresetFilter("next_step", joint_reset=True, on_lost_terminal_obs="nan")

@@ -12,9 +12,10 @@ or written, so a refusal changes nothing:
   the first call is refused, naming the orientation and the fix.
 * **late attachment.** A filter appended to a buffer that already holds rows
   it did not write (``rb.append_transform(filt)`` after collection started)
-  cleans only what comes next: it warns, naming ``cleanbuf.clean(rb)`` for
-  the rows already there. A buffer that holds ``[T]``-step chunks (a
-  ``Collector(replay_buffer=rb)`` without a filter) cannot take the
+  cleans only what comes next: it warns, naming the ``cleanbuf.clean``
+  call that returns a cleaned copy of the rows already there. A buffer
+  that holds ``[T]``-step chunks (a ``Collector(replay_buffer=rb)``
+  without a filter) cannot take the
   filter's flat rows at all: that is refused before TorchRL's own
   batch-size error.
 """

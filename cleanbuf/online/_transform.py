@@ -29,18 +29,22 @@ from cleanbuf.online._ray import flush_buffer_actor, in_ray_actor, is_ray_buffer
 from cleanbuf.online._storage import check_storage, is_storage_init
 
 
-def not_a_tensordict(data: Any) -> str:
+def not_a_tensordict(data: Any, layout: str | None = None) -> str:
     """The error for a write of something other than a TensorDict, with a fix that runs.
 
     A list of TensorDicts (``rb.extend([td, td])``) gets the join that
-    fits them: steps ``[E]`` stacked along time (``dim=1``), batches
-    ``[E, T]`` concatenated along time, or each written in turn.
+    fits them and the filter's ``layout``: steps ``[E]`` stacked along
+    time (``dim=1``; ``dim=0`` for ``layout="time_first"``), each written
+    in turn where the filter reads one step per call (``layout="step"``)
+    or flat rows, batches ``[E, T]`` concatenated along time.
 
     Examples:
         >>> import torch
         >>> from tensordict import TensorDict
         >>> steps = [TensorDict({}, batch_size=[4])] * 3
         >>> "rb.extend(torch.stack(data, dim=1))" in not_a_tensordict(steps)
+        True
+        >>> "for td in data: rb.extend(td)" in not_a_tensordict(steps, "step")
         True
         >>> done = torch.zeros(4, 16, 1, dtype=torch.bool)
         >>> "TensorDict(data, batch_size=[4, 16])" in not_a_tensordict({"next": {"done": done}})
@@ -54,18 +58,36 @@ def not_a_tensordict(data: Any) -> str:
     ):
         shapes = {tuple(d.batch_size) for d in data}
         got = f"a {type(data).__name__} of {len(data)} TensorDicts"
-        if len(shapes) == 1 and len(next(iter(shapes))) == 1:
+        one_step = len(shapes) == 1 and len(next(iter(shapes))) == 1
+        if one_step and layout in ("step", "stream_key"):
+            return (
+                f"AutoresetFilter cleans one TensorDict per write; got {got} of batch size "
+                f"{list(next(iter(shapes)))}. Fix: write them in turn, "
+                f"for td in data: rb.extend(td) (this filter's layout={layout!r} reads "
+                "one TensorDict per call)." + end
+            )
+        if one_step:
+            dim = 0 if layout == "time_first" else 1
+            shape = "[T, E] batch, time first" if dim == 0 else "[E, T] batch, time last"
             return (
                 f"AutoresetFilter cleans one TensorDict per write; got {got} of batch size "
                 f"{list(next(iter(shapes)))} (one step of E envs each). Fix: stack them along "
-                "time, rb.extend(torch.stack(data, dim=1)) (an [E, T] batch, time last, as a "
-                "collector yields)." + end
+                f"time, rb.extend(torch.stack(data, dim={dim})) (an {shape}, as this "
+                "filter reads)." + end
             )
+        if layout == "step":
+            return (
+                f"AutoresetFilter cleans one TensorDict per write; got {got} (batch sizes "
+                f"{sorted(list(s) for s in shapes)}), and this filter's layout='step' reads "
+                "one step of E envs per call. Fix: write the steps in turn, "
+                "for td in data: [rb.extend(step) for step in td.unbind(1)]." + end
+            )
+        tdim, shape = (0, "[T, E]") if layout == "time_first" else (-1, "[E, T]")
         return (
             f"AutoresetFilter cleans one TensorDict per write; got {got} (batch sizes "
             f"{sorted(list(s) for s in shapes)}). Fix: write them in turn, "
-            "for td in data: rb.extend(td); or join [E, T] batches along time, "
-            "rb.extend(torch.cat(data, dim=-1))." + end
+            f"for td in data: rb.extend(td); or join {shape} batches along time, "
+            f"rb.extend(torch.cat(data, dim={tdim}))." + end
         )
     what = "a dict" if isinstance(data, Mapping) else type(data).__name__
     nxt = data.get("next") if isinstance(data, Mapping) else None
@@ -393,7 +415,7 @@ class AutoresetFilter(OnlineCleaner, Transform):
                 "ReplayBuffer(transform=...), not in an environment."
             )
         if not isinstance(tensordict, TensorDictBase):
-            raise InputError(not_a_tensordict(tensordict))
+            raise InputError(not_a_tensordict(tensordict, self.options.layout))
         if not self._storage_checked:
             rb = calling_replay_buffer()
             check_storage(rb)
