@@ -189,3 +189,29 @@ def test_step_rows_info_always_passed_stores_no_dead_column():
     done = rows["next", "done"].reshape(-1)
     finals = torch.cat([s["next", "final_obs"][s["next", "done"].reshape(-1)] for s in steps])
     torch.testing.assert_close(rows["next", "observation"][done], finals)
+
+
+def test_a_loop_that_never_moves_on_is_told_to_set_obs():
+    """Bug caught: a raw loop that forgets ``obs = next_obs`` got only "the
+    same batch written twice", which sends the user looking for a duplicate
+    write. The error now names the missing line, and nothing is written.
+    """
+    import gymnasium as gym
+    import pytest
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    from cleanbuf import ContinuityError, step_rows
+
+    envs = gym.make_vec("CartPole-v1", num_envs=4, vectorization_mode="sync")
+    filt = AutoresetFilter.for_env(envs)
+    rb = ReplayBuffer(storage=LazyTensorStorage(100), transform=filt)
+    obs, _ = envs.reset(seed=0)
+    envs.action_space.seed(0)
+    step = envs.step(envs.action_space.sample())
+    rb.extend(step_rows(obs, envs.action_space.sample(), *step))
+    stored = len(rb)
+    step = envs.step(envs.action_space.sample())
+    with pytest.raises(ContinuityError, match="set obs = next_obs after each step"):
+        rb.extend(step_rows(obs, envs.action_space.sample(), *step))  # obs not moved on
+    assert len(rb) == stored
+    envs.close()

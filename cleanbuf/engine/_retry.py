@@ -167,6 +167,7 @@ def written_twice() -> ContinuityError:
         "this batch is the one the last call cleaned (the same first row in every stream), "
         "and that call's rows were stored: it was written twice. Expected the next batch of "
         "each stream, got the last one again. Write each batch once (a batch whose write "
-        "into the buffer failed may be written again; this one's write succeeded). Nothing "
-        "was written."
+        "into the buffer failed may be written again; this one's write succeeded). In a raw "
+        "loop, this is also what a step that does not move on looks like: set obs = next_obs "
+        "after each step. Nothing was written."
     )
