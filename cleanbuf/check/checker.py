@@ -168,6 +168,8 @@ def _options_of(env: Any) -> str:
         words += f", layout={o.layout}"
     if o.joint_reset:
         words += ", joint_reset=True"
+    if o.on_lost_terminal_obs:
+        words += f", on_lost_terminal_obs={o.on_lost_terminal_obs}"
     return words
 
 
