@@ -113,3 +113,20 @@ def keeps_one_reset_row(batches, env):
             i = int(ends.nonzero()[0])
             return torch.cat([rows[: i + 1], reset_row.unsqueeze(0), rows[i + 1 :]])
     raise AssertionError("no reset row in the batches")
+
+
+class GridWalk(RandomWalk):
+    """The walk on integer cells: observations ``int64`` (a Box of integers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.observation_space = gym.spaces.Box(-100, 100, (2,), np.int64)
+
+    def _obs(self):
+        cell = round(self.pos)
+        return np.array([cell, cell * cell], np.int64)
+
+
+def make_grid_walk():
+    """A GridWalk with a 25-step time limit."""
+    return gym.wrappers.TimeLimit(GridWalk(), 25)

@@ -555,3 +555,77 @@ def test_the_readme_shows_the_command_and_its_output():
         return [" ".join(re.sub(r"\d+ ms", "N ms", line).split()) for line in lines if line.strip()]
 
     assert norm(done.stdout.splitlines()) == norm(shown)
+
+
+@pytest.mark.parametrize("env", ["CartPole-v1", "tests.check_envs:make_walk"])
+def test_torchrl_auto_reset_loses_every_terminal_observation(env):
+    """TorchRL's native auto-reset path (envs resetting inside their step,
+    ``auto_reset=True``: ``AutoResetTransform``), against TorchRL's
+    ``SerialEnv`` of single envs, which resets explicitly (the walk: its
+    terminations and its time limit's truncations). Bugs caught: the
+    producer's rows not TorchRL's format (the reset observation not in the
+    next step's root, a done step's next observation not NaN, a sub-env
+    seeded otherwise than the truth's); ``for_env`` reading these envs as
+    explicit resets (mode ``disabled``, the fills passed on as data); a
+    lost count other than the explicit run's episode ends (each one is
+    lost, truncations too), or counted without its reason; the fills
+    called a difference (exit 1) or cleaned rows unlike the explicit
+    run's; the repair masking rows; the report preferring this producer,
+    or not saying that no option gives the observations back and which
+    producer keeps them.
+    """
+    recorder = Recorder()
+    names = ["torchrl-serial", "torchrl-autoreset"]
+    report = cleanbuf.check(env, producers=names, steps=120, clean=recorder)
+    assert report.status == 0, str(report)
+    explicit, raw = recorder.raw
+    auto, cleaned = report.producers[1], recorder.cleaned[1]
+    done = explicit["next", "done"].reshape(explicit.batch_size)
+    n_ends = int(done.sum())
+    assert n_ends == report.truth_episode_ends > 0
+    if env != "CartPole-v1":
+        assert report.truth_truncations > 0
+    # TorchRL's format, row for row against the explicit run (no reset row)
+    assert torch.equal(raw["observation"], explicit["observation"])
+    nxt, want = _obs(raw, ("next", "observation")), _obs(explicit, ("next", "observation"))
+    assert torch.isnan(nxt).all(-1).eq(done).all()
+    assert torch.equal(nxt[~done], want[~done])
+    assert torch.equal(raw["next", "done"], explicit["next", "done"])
+    assert "mode=same_step" in auto.options
+    counted = _counts(raw, cleaned, auto.producer)
+    assert {k: getattr(auto, k) for k in counted} == counted
+    assert auto.reset_rows == 0 and auto.wrong_init_or_step == 0
+    assert auto.terminal_nan == auto.done_rows == auto.lost == n_ends
+    assert auto.lost_why == {"filled": n_ends} and auto.differ == 0
+    assert _same_as_explicit_resets(cleaned, explicit) == n_ends
+    assert auto.repair == {
+        "rows": auto.rows,
+        "masked": 0,
+        "differ": 0,
+        "lost": n_ends,
+        "differences": [],
+    }
+    text = " ".join(str(report).split())  # (the prose is wrapped)
+    assert "Prefer torchrl-serial: nothing stored wrong" in text
+    assert "Prefer torchrl-serial, torchrl-autoreset" not in text
+    assert f"torchrl-autoreset: every terminal observation ({n_ends}) lost for good" in text
+    assert "No option of cleanbuf gives them back" in text and "lossless_gym_env" in text
+    assert f"({n_ends} lost terminal observation(s) marked NaN, counted above)" in text
+
+
+def test_torchrl_auto_reset_on_integer_observations_is_not_run(capsys):
+    """Integer observations, which ``AutoResetTransform`` fills with -1
+    where NaN cannot mark them (``for_env`` then chooses no policy). Bugs
+    caught: the check crashing on the filter's error (exit 2 for an
+    explicit list with other producers, or for the defaults), or leaving
+    the producer out without saying why.
+    """
+    report = cleanbuf.check(
+        "tests.check_envs:make_grid_walk", producers="torchrl-serial,torchrl-autoreset", steps=40
+    )
+    assert report.status == 0 and [p.producer for p in report.producers] == ["torchrl-serial"]
+    assert "not floating point" in report.not_run["torchrl-autoreset"]
+    assert "torchrl-autoreset: not run: its observations (int64)" in str(report)
+    args = ["check", "tests.check_envs:make_grid_walk", "--producer", "torchrl-autoreset"]
+    assert main([*args, "--no-progress"]) == 2
+    assert "no producer to run: torchrl-autoreset" in capsys.readouterr().err

@@ -206,3 +206,34 @@ def test_the_kernel_and_the_numpy_rule_read_fills_alike(dtype, width, kinds):
         assert marked.tolist() == [bool((r == -1).all()) for r in rows]
     elif x.dtype.kind != "f":
         assert not marked.any()
+
+
+def test_for_env_reads_auto_resetting_envs_as_same_step():
+    """``for_env`` on an env built with ``auto_reset=True`` (alone and as
+    ``SerialEnv`` workers). Bugs caught: such an env read as explicit resets
+    (mode ``disabled``: the fills stored as data; the SerialEnv's workers
+    were not looked at), a plain SerialEnv of single envs read as
+    auto-resetting, a policy chosen for integer observations (NaN cannot
+    mark them), a user's policy not overriding the one read.
+    """
+    from torchrl.envs import SerialEnv
+
+    def auto(dtype="float32"):
+        return AutoResettingGymEnv(_ID, auto_reset=True, dtype=dtype)
+
+    for env in (auto(), SerialEnv(2, [auto, auto])):
+        o = AutoresetFilter.for_env(env).options
+        assert (o.mode, o.on_lost_terminal_obs) == ("same_step", "nan"), env
+        assert RolloutRepair.for_env(env).options.mode == "same_step"
+    plain = SerialEnv(2, [lambda: GymEnv(_ID)] * 2)
+    assert AutoresetFilter.for_env(plain).options.mode == "disabled"
+    ints = AutoresetFilter.for_env(SerialEnv(2, [lambda: auto("int64")] * 2)).options
+    assert (ints.mode, ints.on_lost_terminal_obs) == ("same_step", None)
+    rows, truth = runs("float32")
+    done = truth["next", "done"].reshape(-1)
+    filt = AutoresetFilter.for_env(auto(), on_lost_terminal_obs="drop")
+    out = filt.inv(rows)
+    torch.testing.assert_close(
+        out["next", "observation"], truth.reshape(-1)[~done]["next", "observation"]
+    )
+    assert filt.stats["lost_rows_dropped"] == int(done.sum()) > 0

@@ -2,7 +2,8 @@
 
 Runs one env under each producer (Gymnasium next-step and same-step
 vector envs, TorchRL ``GymEnv(name, num_envs=N)``, ``SerialEnv`` /
-``ParallelEnv`` of single envs, Stable-Baselines3 ``DummyVecEnv``) with
+``ParallelEnv`` of single envs, a ``SerialEnv`` of envs that reset inside
+their step under ``AutoResetTransform``, Stable-Baselines3 ``DummyVecEnv``) with
 seeded random actions, and the truth: the same env with explicit partial
 resets (Gymnasium ``AutoresetMode.DISABLED``), the same seeds and the same
 actions per env. Then it cleans each producer's rows with cleanbuf and
@@ -66,7 +67,9 @@ def _clean_fn(clean: CleanFn | str | None) -> tuple[CleanFn, str, str | None]:
     return clean, name, name if importable else None
 
 
-def _producers(producers: Sequence[str] | str | None, source: Any) -> tuple[list[str], dict]:
+def _producers(
+    producers: Sequence[str] | str | None, source: Any, observation_space: Any
+) -> tuple[list[str], dict]:
     """The producers to run, and those not run with why."""
     if isinstance(producers, str):
         producers = [p.strip() for p in producers.split(",") if p.strip()]
@@ -94,6 +97,12 @@ def _producers(producers: Sequence[str] | str | None, source: Any) -> tuple[list
         not_run["envpool"] = runs_.envpool_why_not(source)
         if not chosen:
             raise CleanbufError(f"no producer to run: envpool: {not_run['envpool']}.")
+    why = runs_.autoreset_why_not(observation_space)
+    if "torchrl-autoreset" in chosen and why is not None:
+        chosen.remove("torchrl-autoreset")
+        not_run["torchrl-autoreset"] = why
+        if not chosen:
+            raise CleanbufError(f"no producer to run: torchrl-autoreset: {why}.")
     return chosen, not_run
 
 
@@ -159,6 +168,8 @@ def _options_of(env: Any) -> str:
         words += f", layout={o.layout}"
     if o.joint_reset:
         words += ", joint_reset=True"
+    if o.on_lost_terminal_obs:
+        words += f", on_lost_terminal_obs={o.on_lost_terminal_obs}"
     return words
 
 
@@ -251,12 +262,15 @@ def check(
             Gymnasium env.
         producers: names from ``gym-next-step``, ``gym-same-step``,
             ``torchrl-gymenv``, ``torchrl-serial``, ``torchrl-parallel``,
-            ``sb3-dummy``, ``envpool`` (a list or a comma-separated str),
-            or ``"all"``. None: those that start no process and are
-            installed. EnvPool runs its own version of a registered id,
-            compared with that version under explicit resets (one pool per
-            env); a factory or an id it lacks is not run (the report says
-            why).
+            ``torchrl-autoreset``, ``sb3-dummy``, ``envpool`` (a list or a
+            comma-separated str), or ``"all"``. None: those that start no
+            process and are installed. ``torchrl-autoreset`` (TorchRL envs
+            that reset inside their step, ``auto_reset=True``) keeps no
+            terminal observation: each is counted lost; it is not run on
+            integer observations (the report says why). EnvPool runs its
+            own version of a registered id, compared with that version
+            under explicit resets (one pool per env); a factory or an id it
+            lacks is not run (the report says why).
         num_envs: sub-envs per producer.
         steps: steps per producer, at least: where an env of the truth
             ends no episode in them, the truth runs again with more steps
@@ -316,8 +330,8 @@ def check(
         raise CleanbufError(f"num_envs={num_envs}, steps={steps}: need num_envs >= 1, steps >= 2.")
     source = runs_.EnvSource(env, max_episode_steps)
     with each_line_once() as stderr:
-        _, action_space = source.probe()
-        names, not_run = _producers(producers, source)
+        observation_space, action_space = source.probe()
+        names, not_run = _producers(producers, source, observation_space)
         limit = runs_.time_limit(source)
         out, actions = _run_all(
             source, names, not_run, (num_envs, steps, seed), (actions, action_space),

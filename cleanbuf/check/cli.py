@@ -85,9 +85,10 @@ CHECK_EXAMPLES = """examples:
   cleanbuf check --replay cleanbuf-check-CartPole-v1.json
 
 producers: gym-next-step, gym-same-step, torchrl-gymenv, torchrl-serial,
-torchrl-parallel (starts processes), sb3-dummy, envpool (EnvPool ids only,
-against EnvPool's own env); default: those that start no process and are
-installed.
+torchrl-parallel (starts processes), torchrl-autoreset (TorchRL envs that
+reset inside their step, auto_reset=True), sb3-dummy, envpool (EnvPool ids
+only, against EnvPool's own env); default: those that start no process and
+are installed.
 
 exit status: 0 cleaned rows equal the explicit-reset run, 1 a difference
 (reproducer written), 2 error, 3 the env is not reproducible under seeds,

@@ -36,6 +36,10 @@ COMPARED = (
 WHY_LOST = {
     "joint": "all envs done on the same step: TorchRL reset them together",
     "end": "done on the last step: the row that holds it was never collected",
+    "filled": (
+        "the env resets inside its step, and TorchRL's AutoResetTransform fills the done "
+        "step's next observation with NaN, keeping only the reset one"
+    ),
 }
 # Stable-Baselines3 sets infos[i]["TimeLimit.truncated"] only when the step did not
 # also terminate: a step that did both comes back terminated, not truncated.
@@ -195,6 +199,8 @@ def count_stored(run: Any, truth: TensorDict) -> dict:
 
 def _lost_reason(run: Any, e: int, k: int) -> str | None:
     """Why env ``e``'s real row ``k`` may have lost its terminal observation, or None."""
+    if getattr(run, "filled", False):  # every done row, the last step's included
+        return "filled"
     idx = np.flatnonzero(run.real[e])
     t = int(idx[k])
     if run.joint[t]:
@@ -210,8 +216,9 @@ def compare_cleaned(run: Any, cleaned: TensorDict, truth: TensorDict, limit: int
     A cleaned row equals the truth's when every key of :data:`COMPARED`
     it holds does (values compared as float64; trajectory ids are not
     compared). A NaN next observation on a done row is a lost terminal
-    observation when the producer lost it for good (a joint reset, or a
-    done row on the last step); anywhere else it is a difference. Each
+    observation when the producer lost it for good (a joint reset, a done
+    row on the last step, or a producer that fills every done row:
+    TorchRL's ``AutoResetTransform``); anywhere else it is a difference. Each
     row missing or extra in an env counts as one differing row.
 
     Returns:
@@ -449,6 +456,16 @@ def _advice(report: CheckReport) -> list[str]:
                 f"cleanbuf.lossless_gym_env(name, num_envs={report.num_envs}) instead, or "
                 'AutoresetFilter.for_env(env, on_lost_terminal_obs="drop") to leave those '
                 "rows out."
+            )
+        if p.lost_why.get("filled"):
+            out.append(
+                f"{p.producer}: every terminal observation ({p.lost_why['filled']}) lost for "
+                f"good: {WHY_LOST['filled']}. No option of cleanbuf gives them back: "
+                "AutoresetFilter.for_env(env) keeps those rows NaN and counts them, "
+                'on_lost_terminal_obs="drop" leaves them out (RolloutRepair: masked). To keep '
+                "them, do not reset inside the step: a SerialEnv / ParallelEnv of single envs "
+                "that TorchRL resets (torchrl-serial), or "
+                f"cleanbuf.lossless_gym_env(name, num_envs={report.num_envs})."
             )
         if p.lost_why.get("end"):
             out.append(

@@ -40,6 +40,11 @@ PRODUCERS = {
     ),
     "torchrl-serial": ("TorchRL SerialEnv of single GymEnvs", "torchrl"),
     "torchrl-parallel": ("TorchRL ParallelEnv of single GymEnvs", "torchrl"),
+    "torchrl-autoreset": (
+        "TorchRL SerialEnv of single GymEnvs that reset inside their step (auto_reset=True: "
+        "AutoResetTransform)",
+        "torchrl",
+    ),
     "sb3-dummy": ("Stable-Baselines3 DummyVecEnv", "stable_baselines3"),
     "envpool": ("EnvPool (against EnvPool's own env with explicit resets)", "envpool"),
 }
@@ -49,6 +54,7 @@ DEFAULT_PRODUCERS = (
     "gym-same-step",
     "torchrl-gymenv",
     "torchrl-serial",
+    "torchrl-autoreset",
     "sb3-dummy",
     "envpool",
 )
@@ -276,6 +282,8 @@ class Run:
         real: bool ``[E, T]``: the row is a real step (False: a reset step).
         joint: bool ``[T]``: a joint reset followed that step (every env
             done at once, reset together by TorchRL).
+        filled: the producer fills every done step's next observation
+            (TorchRL's ``AutoResetTransform``): no terminal observation is kept.
         stored_terminated: bool ``[E, T]``: the producer's own termination
             flag (Stable-Baselines3: its ``dones``, truncations included).
         env: the producer (open until :meth:`close`).
@@ -290,6 +298,7 @@ class Run:
     stored_terminated: np.ndarray
     env: Any
     seconds: float
+    filled: bool = False
 
     def close(self) -> None:
         """Closes the producer's env."""
@@ -408,6 +417,40 @@ def _torchrl_single(source: EnvSource, seed: int) -> Any:
     return GymWrapper(seeded(source, seed), categorical_action_encoding=True)
 
 
+@functools.cache
+def _auto_resetting_class() -> type:
+    """A ``GymWrapper`` resetting inside its step, as TorchRL's ``AutoResetTransform`` docs say.
+
+    Built once torchrl is imported (an optional dependency). Its step
+    resets a done env at once and puts the reset observation in the step's
+    output; built with ``auto_reset=True``, TorchRL wraps it in
+    ``AutoResetEnv(env, AutoResetTransform())``, which moves that
+    observation to the next step's root and fills the done step's
+    ``("next", obs)`` (NaN for floats, -1 for signed integers).
+    """
+    from torchrl.envs import GymWrapper
+
+    class AutoResettingGymWrapper(GymWrapper):
+        def _step(self, tensordict):
+            tensordict = super()._step(tensordict)
+            if tensordict["done"].any():
+                tensordict.update(super().reset().exclude(*self.done_keys))
+            return tensordict
+
+        def _reset(self, tensordict=None, **kwargs):
+            if tensordict is not None and "_reset" in tensordict:
+                return tensordict.copy()  # reset already, in the step
+            return super()._reset(tensordict, **kwargs)
+
+    return AutoResettingGymWrapper
+
+
+def _torchrl_auto_resetting(source: EnvSource, seed: int) -> Any:
+    """A worker of ``torchrl-autoreset``: one auto-resetting env over one sub-env."""
+    cls = _auto_resetting_class()
+    return cls(seeded(source, seed), categorical_action_encoding=True, auto_reset=True)
+
+
 def _gym_env_in_process(source: EnvSource, num_envs: int, seed: int) -> Any:
     """TorchRL's ``GymEnv(name, num_envs=N)`` over this check's seeded sub-envs.
 
@@ -466,8 +509,9 @@ def _torchrl_loop(producer, source, num_envs, steps, seed, actions, tick) -> Run
         if producer == "torchrl-gymenv":
             base = _gym_env_in_process(source, num_envs, seed)
         else:
-            fns = [functools.partial(_torchrl_single, source, seed + e) for e in range(num_envs)]
-            batched = SerialEnv if producer == "torchrl-serial" else ParallelEnv
+            make = _torchrl_auto_resetting if producer == "torchrl-autoreset" else _torchrl_single
+            fns = [functools.partial(make, source, seed + e) for e in range(num_envs)]
+            batched = ParallelEnv if producer == "torchrl-parallel" else SerialEnv
             base = batched(num_envs, fns)
         env = TransformedEnv(base, Compose(StepCounter(), InitTracker()))
     logger.setLevel(level)
@@ -488,7 +532,8 @@ def _torchrl_loop(producer, source, num_envs, steps, seed, actions, tick) -> Run
         together = bool(done.all()) and producer == "torchrl-gymenv"
         joint.append(together)
         # GymEnv: a done env's next step is a reset step, unless all reset together;
-        # the batched envs of single envs reset explicitly.
+        # the batched envs of single envs reset explicitly, or (torchrl-autoreset)
+        # inside the done step, the reset observation in the next step's root.
         pending = done & (producer == "torchrl-gymenv") & (not together)
         tick()
     data = torch.stack(rows, dim=1)
@@ -503,6 +548,7 @@ def _torchrl_loop(producer, source, num_envs, steps, seed, actions, tick) -> Run
         term,
         env,
         time.perf_counter() - start,
+        filled=producer == "torchrl-autoreset",
     )
 
 
@@ -533,6 +579,25 @@ def _sb3_loop(source, num_envs, steps, seed, actions, tick) -> Run:
         np.stack(dones, 1),
         venv,
         time.perf_counter() - start,
+    )
+
+
+def autoreset_why_not(observation_space: Any) -> str | None:
+    """Why ``torchrl-autoreset`` cannot be compared on this env, or None.
+
+    ``AutoResetTransform`` fills integer observations with -1 (unsigned
+    ones with 0), which NaN cannot mark: ``AutoresetFilter.for_env`` then
+    chooses no policy for them, and the first done row raises, naming the
+    choices (``on_lost_terminal_obs="drop"`` or ``"keep"``).
+    """
+    dtype = np.dtype(observation_space.dtype)
+    if dtype.kind == "f":
+        return None
+    return (
+        f"its observations ({dtype}) are not floating point: AutoResetTransform fills them "
+        "(-1, or 0 unsigned) where NaN cannot mark them, so AutoresetFilter.for_env(env) "
+        'needs on_lost_terminal_obs="drop" (or "keep") chosen, and the check runs '
+        "for_env's defaults"
     )
 
 

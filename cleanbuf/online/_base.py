@@ -59,6 +59,15 @@ class OnlineCleaner:
         repr says so when its sub-envs have a time limit, and the first
         call that loses one warns (by default).
 
+        A TorchRL env that resets inside its step (built with
+        ``auto_reset=True``: ``AutoResetEnv`` with ``AutoResetTransform``,
+        alone or as the workers of a ``SerialEnv`` / ``ParallelEnv``) is
+        read as same-step: TorchRL fills each done step's next observation
+        and keeps no terminal observation, so every one is lost. With
+        floating observations they stay NaN, counted
+        (``on_lost_terminal_obs="nan"``); with others no policy is chosen
+        and the first done row raises, naming the choices.
+
         Args:
             env: the producer.
             **overrides: options that replace what was read from ``env``.

@@ -229,16 +229,86 @@ def _remote_options(remote_collector: Any) -> Reading:
     return reading
 
 
+def _resets_in_step(env: Any) -> bool:
+    """Whether a TorchRL env resets inside its step (an ``AutoResetEnv`` layer).
+
+    ``EnvType(..., auto_reset=True)`` wraps the env in ``AutoResetEnv`` with
+    an ``AutoResetTransform`` (the only transform it takes).
+    """
+    from torchrl.envs import TransformedEnv
+
+    try:
+        from torchrl.envs import AutoResetEnv
+    except ImportError:  # a torchrl without it: no env of that kind
+        return False
+    layer = env
+    while isinstance(layer, TransformedEnv):
+        if isinstance(layer, AutoResetEnv):
+            return True
+        layer = layer.base_env
+    return False
+
+
+def _workers_reset_in_step(batched: Any) -> bool:
+    """Whether the single-env workers of a ``SerialEnv`` / ``ParallelEnv`` reset in their step.
+
+    Read first in the description TorchRL keeps of a worker (built when
+    the batched env was), then, where it names ``AutoResetTransform``,
+    confirmed on a probe worker (built once).
+    """
+    meta = batched.__dict__.get("meta_data")  # (getattr would start a ParallelEnv's workers)
+    meta = meta[0] if isinstance(meta, list) and meta else meta
+    if "AutoResetTransform" not in str(getattr(meta, "env_str", "")):
+        return False
+    fn = batched.create_env_fn[0]
+    kwargs = batched.create_env_kwargs[0] if batched.create_env_kwargs else {}
+    probe = fn(**kwargs)
+    try:
+        return _resets_in_step(probe)
+    finally:
+        probe.close()
+
+
+def _auto_reset_reading(env: Any, where: str) -> Reading:
+    """The options for an env that resets inside its step under ``AutoResetTransform``.
+
+    Same-step: the reset observation is the next step's root, no reset row.
+    TorchRL fills the done step's ``("next", obs)`` (NaN for floats, -1 for
+    signed integers, False for the rest) and keeps no terminal observation,
+    so each done row is a lost one. With floating observations they stay
+    NaN, counted (as next-step mode does by default); with others no
+    policy is chosen, and the first done row raises, naming the choices.
+    """
+    obs = [
+        spec.dtype
+        for key, spec in env.observation_spec.items(True, True)
+        if may_be_observation(key if isinstance(key, tuple) else (key,))
+    ]
+    options: dict = {"mode": "same_step"}
+    why = (
+        f"{where} resetting inside its step (AutoResetTransform, same-step): TorchRL fills "
+        "every terminal observation, so they are lost"
+    )
+    if obs and all(d.is_floating_point for d in obs):
+        options["on_lost_terminal_obs"] = "nan"
+        why += " (kept NaN, counted)"
+    return Reading(options, why)
+
+
 def _torchrl_options(env: Any) -> Reading:
     from torchrl.envs import GymWrapper, TransformedEnv
     from torchrl.envs.batched_envs import BatchedEnvBase
 
+    if _resets_in_step(env):
+        return _auto_reset_reading(env, "TorchRL env")
     inner = env
     while isinstance(inner, TransformedEnv):
         inner = inner.base_env
     if isinstance(inner, BatchedEnvBase):
         worker_shape = tuple(inner.batch_size[1:])
         if not worker_shape:
+            if _workers_reset_in_step(inner):
+                return _auto_reset_reading(env, f"{type(inner).__name__} of single envs")
             why = f"{type(inner).__name__} of single envs (explicit resets)"
             return Reading({"mode": "disabled"}, why)
         fn = inner.create_env_fn[0]
