@@ -629,3 +629,29 @@ def test_torchrl_auto_reset_on_integer_observations_is_not_run(capsys):
     args = ["check", "tests.check_envs:make_grid_walk", "--producer", "torchrl-autoreset"]
     assert main([*args, "--no-progress"]) == 2
     assert "no producer to run: torchrl-autoreset" in capsys.readouterr().err
+
+
+def test_a_producer_whose_integer_rows_the_filter_refuses_is_not_compared(capsys):
+    """Bugs caught: on an env with integer observations, ``torchrl-gymenv``
+    (a joint reset loses a terminal observation that NaN cannot mark) made
+    the default check stop with the filter's Python-side error and exit 2,
+    with a "garbage-collected while holding rows" warning after it, and no
+    table for the producers that ran; a verdict given with that producer
+    silently left out; a verdict given when no producer was compared.
+    """
+    import gc
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        report = cleanbuf.check(
+            "tests.check_envs:make_grid_walk", producers="torchrl-serial,torchrl-gymenv"
+        )
+        gc.collect()
+    assert not [w for w in seen if "garbage-collected" in str(w.message)]
+    assert report.status == 0 and [p.producer for p in report.producers] == ["torchrl-serial"]
+    why = report.not_run["torchrl-gymenv"]
+    assert "on_lost_terminal_obs='drop'" in why and "not floating point" in why
+    assert "not compared: torchrl-gymenv" in str(report)
+    args = ["check", "tests.check_envs:make_grid_walk", "--producer", "torchrl-gymenv"]
+    assert main([*args, "--no-progress"]) == 2
+    assert "no producer was compared: torchrl-gymenv" in capsys.readouterr().err

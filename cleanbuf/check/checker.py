@@ -41,7 +41,7 @@ import numpy as np
 
 import cleanbuf.check.report as report_
 import cleanbuf.check.runs as runs_
-from cleanbuf.engine._errors import CleanbufError
+from cleanbuf.engine._errors import CleanbufError, TerminalObservationLostError
 from cleanbuf.offline._audit import program
 
 CleanFn = Callable[[list, Any], Any]
@@ -400,18 +400,41 @@ def _run_all(source, names, not_run, settings, acts, ends, cleaning, progress, s
             return out, actions
         out.timelines["truth"] = _timeline(truth[0], None, truth[0])
         for name in names:
-            result, timeline = _run_one(
-                name,
-                source,
-                (num_envs, steps, seed),
-                actions,
-                truths.get(name, truth),
-                clean_fn,
-                lambda: bar.update(1),
-            )
+            try:
+                result, timeline = _run_one(
+                    name,
+                    source,
+                    (num_envs, steps, seed),
+                    actions,
+                    truths.get(name, truth),
+                    clean_fn,
+                    lambda: bar.update(1),
+                )
+            except TerminalObservationLostError as err:
+                if clean_fn is not runs_.filter_cleaning:
+                    raise
+                out.not_run[name] = _refused(err)
+                continue
             out.producers.append(result)
             out.timelines[name] = timeline
+        if not out.producers:  # no verdict on nothing compared
+            why = "; ".join(f"{k}: {v}" for k, v in out.not_run.items())
+            raise CleanbufError(f"no producer was compared: {why}.")
     return out, actions
+
+
+def _refused(err: TerminalObservationLostError) -> str:
+    """Why a producer whose rows ``AutoresetFilter.for_env`` refuses was not compared."""
+    lost = re.match(r"(\d+) next observation", str(err))
+    first = f" ({lost[1]} in the first batch that lost any)" if lost else ""
+    return (
+        f"it loses terminal observations{first} and its observations are not floating "
+        "point, so NaN cannot mark them: AutoresetFilter.for_env(env) refuses such rows "
+        "until told what to do. "
+        "A filter for this producer needs on_lost_terminal_obs='drop' (store no such row) "
+        "or 'keep' (store them as the producer left them); to compare such a filter, pass "
+        "it as --clean module:function"
+    )
 
 
 MAX_STEPS = 100_000  # steps the truth is ever extended to (its rows are kept in memory)

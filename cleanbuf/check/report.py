@@ -503,9 +503,11 @@ def _verdict(report: CheckReport) -> list[str]:
     lost = sum(p.lost for p in report.producers)
     if report.status == 0:
         note = f" ({lost} lost terminal observation(s) marked NaN, counted above)" if lost else ""
+        skipped = ", ".join(report.not_run)
+        skipped = f"; not compared: {skipped} (why above)" if skipped else ""
         return [
             f"Verdict: every producer's cleaned rows equal the explicit-reset run, row for "
-            f"row within each env{note}. Exit 0."
+            f"row within each env{note}{skipped}. Exit 0."
         ]
     lines = []
     for p in report.producers:

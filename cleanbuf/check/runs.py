@@ -710,14 +710,18 @@ def filter_cleaning(batches: list, env: Any) -> TensorDict:
     """
     import warnings
 
-    from cleanbuf.engine._errors import CleanbufWarning
+    from cleanbuf.engine._errors import CleanbufWarning, TerminalObservationLostError
     from cleanbuf.online._transform import AutoresetFilter
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CleanbufWarning)
         filt = AutoresetFilter.for_env(env)
-        out = [filt(b) for b in batches]
-        out.append(filt.flush())
+        try:
+            out = [filt(b) for b in batches]
+            out.append(filt.flush())
+        except TerminalObservationLostError:
+            filt.flush(on_lost_terminal_obs="drop")  # let go of the held rows: no warning at exit
+            raise
     return torch.cat([o for o in out if o is not None and o.batch_size[0] > 0])
 
 
