@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
@@ -44,12 +44,14 @@ def _chained(envs: int, steps: int, ends: list, seed: int) -> tuple:
     ends=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 8)), max_size=3),
     seed=st.integers(0, 1000),
 )
+@example(envs=2, steps=2, ends=[(0, 0), (0, 1)], seed=0)  # no open row along an axis: 0 rows
 def test_numpy_torch_and_tensordict_agree(envs, steps, ends, seed):
     """Bugs caught: the detectors disagreeing on the same data (the filter's
     first-write check, the repair's hint and the offline reader were three
     copies with three thresholds), a torch path that compares values where
     the numpy path compares bytes, and a swapped axis in the TensorDict
-    reader (its done flags read along the wrong axis).
+    reader (its done flags read along the wrong axis), and a torch path
+    that failed on zero open rows along an axis (a reshape to ``[0, -1]``).
     """
     obs, nxt, done = _chained(envs, steps, ends, seed)
     expected_last = 1 if (~done[:, :-1]).sum() >= 1 else None

@@ -28,6 +28,7 @@ their held rows take the next call's first row as it is).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -210,7 +211,7 @@ def as_bytes(x) -> np.ndarray:
             return np.zeros((len(x), 0), np.uint8)
         return x.reshape(len(x), -1).view(torch.uint8).numpy()
     x = np.ascontiguousarray(x)
-    return x.reshape(len(x), -1).view(np.uint8)
+    return x.reshape(len(x), math.prod(x.shape[1:])).view(np.uint8)  # (-1 fails on 0 rows)
 
 
 def row_words(rows: Views, key: tuple, next_key: tuple, steps: int) -> tuple:
@@ -230,7 +231,8 @@ def row_words(rows: Views, key: tuple, next_key: tuple, steps: int) -> tuple:
         and a.dtype.kind != "O"
     ):
         n = len(a)
-        a, b, n_steps = a.reshape(n, -1), b.reshape(n, -1), steps
+        width = math.prod(a.shape[1:])  # (-1 fails on 0 rows)
+        a, b, n_steps = a.reshape(n, width), b.reshape(n, width), steps
     else:
         n = rows.n_rows or len(rows.flat(key))
         first = index_tensor(np.arange(0, n, steps))

@@ -14,6 +14,7 @@ device: only the per-row flags cross to the host.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,8 @@ def same_per_row(a: Any, b: Any) -> np.ndarray:
     """
     if isinstance(a, torch.Tensor):
         n = a.shape[0]
-        a, b = a.detach().reshape(n, -1), b.detach().reshape(n, -1)
+        width = math.prod(a.shape[1:])  # (-1 fails on 0 rows)
+        a, b = a.detach().reshape(n, width), b.detach().reshape(n, width)
         if a.dtype.is_floating_point or a.dtype.is_complex or a.dtype == torch.bool:
             width = _SAME_WIDTH[a.element_size()] if not a.dtype.is_complex else torch.int64
             a, b = a.contiguous().view(width), b.contiguous().view(width)
@@ -53,7 +55,7 @@ def same_per_row(a: Any, b: Any) -> np.ndarray:
 
 def _words(x: np.ndarray) -> np.ndarray:
     """Rows as words: uint64 where the row's bytes allow (8x fewer compares)."""
-    x = np.ascontiguousarray(x).reshape(len(x), -1).view(np.uint8)
+    x = np.ascontiguousarray(x).reshape(len(x), math.prod(x.shape[1:])).view(np.uint8)
     return x.view(np.uint64) if x.shape[1] % 8 == 0 else x
 
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -334,7 +335,8 @@ def reward_rows(options: Options, rows: Views) -> np.ndarray:
     if a is not None and a.size == n and a.dtype.kind != "c":
         return a.reshape(n)
     reward = rows.tensors[key]
-    return (reward != 0).reshape(n, -1).any(1).to(torch.uint8).cpu().numpy()
+    flat = (reward != 0).reshape(n, math.prod(reward.shape[1:]))  # (-1 fails on 0 rows)
+    return flat.any(1).to(torch.uint8).cpu().numpy()
 
 
 def joint_rows(options: Options, rows: Views, done: np.ndarray) -> np.ndarray:
@@ -414,7 +416,7 @@ def stored_rows(rows: Views, obs_keys, done: np.ndarray) -> np.ndarray:
         if a is None:  # torch ops (CUDA, dtypes numpy lacks)
             x = rows.flat(nk)
             x = x.index_select(0, torch.from_numpy(done_rows).to(x.device))
-            x = x.reshape(len(done_rows), -1)
+            x = x.reshape(len(done_rows), math.prod(x.shape[1:]))
             filled &= (x == 0).all(1).cpu().numpy()
             if x.is_floating_point():
                 nan |= x.isnan().any(1).cpu().numpy()
