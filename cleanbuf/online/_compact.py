@@ -33,7 +33,9 @@ the side table. A writer that chooses its own slots
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from multiprocessing.context import get_spawning_popen
 from pathlib import Path
 from typing import Any
@@ -45,7 +47,13 @@ from torchrl.data import LazyTensorStorage
 
 from cleanbuf.engine._errors import InputError, LayoutError, StateError
 from cleanbuf.engine._keys import NEXT, may_be_observation
-from cleanbuf.online._compact_links import commit_links, plan_links, rows_linking_into
+from cleanbuf.online._compact_links import (
+    commit_links,
+    copy_rows,
+    plan_links,
+    rows_linking_into,
+    rows_match,
+)
 
 STREAM_KEY = "_cleanbuf_stream"
 """The per-row stream index the filter adds for a compact storage (never stored)."""
@@ -54,6 +62,7 @@ MARKER = "cleanbuf_compact.json"
 """The file that marks a compact storage's dump (``rb.dumps(path)``: in ``path/storage``)."""
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INTS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -92,12 +101,43 @@ def rows_equal(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (_bits(x) == _bits(y)).all(1)
 
 
+def host_words(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's rows as a numpy ``[n, words]`` integer view, for a byte comparison.
+
+    The widest word that divides a row is used; nothing is copied unless a
+    row is not contiguous (then the copy is read only).
+
+    Examples:
+        >>> host_words(torch.zeros(3, 17)).dtype, host_words(torch.zeros(3, 17)).shape
+        (dtype('int32'), (3, 17))
+    """
+    if x.requires_grad:
+        x = x.detach()
+    if x.dtype == torch.bfloat16:  # (no numpy twin)
+        x = (
+            x.view(torch.int16)
+            if x.ndim and x.stride(-1) == 1
+            else x.contiguous().view(torch.int16)
+        )
+    a = x.numpy()
+    a = a.reshape(a.shape[0], math.prod(a.shape[1:]))
+    if a.shape[1] > 1 and a.strides[1] != a.itemsize:
+        a = np.ascontiguousarray(a)
+    row = a.shape[1] * a.itemsize
+    size = 8 if not row % 8 else 4 if not row % 4 else 2 if not row % 2 else 1
+    if size < a.itemsize:  # (a row of one 2-byte word, say: keep the dtype's width)
+        size = a.itemsize
+    return a.view(_NP_INTS[size]) if row else a.view(np.uint8)
+
+
 def is_compact(storage: Any) -> bool:
     """Whether ``storage`` is a :class:`CompactStorage` (the filter then adds stream indices)."""
     return isinstance(storage, CompactStorage)
 
 
-def with_stream_index(td: TensorDictBase, layout: str | None, stream_key: Any) -> TensorDictBase:
+def with_stream_index(
+    td: TensorDictBase, layout: str | None, stream_key: Any, *, owned: bool = False
+) -> TensorDictBase:
     """``td`` (a shallow copy) with each row's stream index under :data:`STREAM_KEY`.
 
     The index is the env's position in the batch (``[*E, T]``: the flat
@@ -109,6 +149,8 @@ def with_stream_index(td: TensorDictBase, layout: str | None, stream_key: Any) -
         td: the batch, as the filter gets it.
         layout: the filter's ``layout`` option.
         stream_key: the filter's ``stream_key`` option.
+        owned: ``td`` is the filter's own shallow copy (TorchRL's ``inv``
+            makes one): the column is set on it, no copy made.
 
     Returns:
         The batch with the column (the caller's batch is unchanged).
@@ -120,22 +162,34 @@ def with_stream_index(td: TensorDictBase, layout: str | None, stream_key: Any) -
     """
     shape = td.batch_size
     device = td.device
-    if layout == "stream_key" and stream_key is not None and stream_key in td.keys(True, True):
-        value = td.get(stream_key)
+    value = None
+    if layout == "stream_key" and stream_key is not None:
+        value = td.get(stream_key, None)
+    if isinstance(value, torch.Tensor):
         ids = value.reshape(*shape, -1)[..., 0].to(torch.int64)
-    elif len(shape) <= 1 and layout != "step":
+        if device is not None:
+            ids = ids.to(device)
+    else:
+        ids = _positions(tuple(shape), layout, device)
+    out = td if owned and not td.is_locked else td.copy()
+    out.set(STREAM_KEY, ids)
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _positions(shape: tuple, layout: str | None, device: Any) -> torch.Tensor:
+    """The stream index of every row of a batch of ``shape`` (read only: shared)."""
+    if len(shape) <= 1 and layout != "step":
         ids = torch.zeros(shape, dtype=torch.int64, device=device)
     elif layout == "step":
-        ids = torch.arange(shape.numel(), device=device).reshape(shape)
+        ids = torch.arange(math.prod(shape), device=device).reshape(shape)
     elif layout == "time_first":
-        envs = shape[1:].numel()
+        envs = math.prod(shape[1:])
         ids = torch.arange(envs, device=device).reshape(shape[1:]).expand(shape)
     else:  # [*E, T]
-        envs = shape[:-1].numel()
+        envs = math.prod(shape[:-1])
         ids = torch.arange(envs, device=device).reshape(*shape[:-1], 1).expand(shape)
-    out = td.copy()
-    out.set(STREAM_KEY, ids if device is None else ids.to(device))
-    return out
+    return ids
 
 
 class CompactStorage(LazyTensorStorage):
@@ -205,6 +259,7 @@ class CompactStorage(LazyTensorStorage):
         if observation_keys is not None:
             declared = [(k,) if isinstance(k, str) else tuple(k) for k in observation_keys]
         self._declared = declared
+        self._compare_on_host = True  # (False: the device path, which tests also run on the CPU)
         self._reset_links()
 
     # ----------------------------------------------------------- state
@@ -225,6 +280,11 @@ class CompactStorage(LazyTensorStorage):
         """Takes ``link`` (on the device) and makes its host copy."""
         self._link = link
         self._link_host = link if link.device.type == "cpu" else link.cpu()
+
+    @property
+    def _host_compare(self) -> bool:
+        """Whether writes compare rows on the host (CPU rows) or on the device."""
+        return self._compare_on_host and torch.device(self.device).type == "cpu"
 
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
         """A host index array as a tensor on the storage's device (no copy on the CPU)."""
@@ -315,8 +375,7 @@ class CompactStorage(LazyTensorStorage):
 
     # ----------------------------------------------------------- side table
     def _reserve(self, need: int, freed: int = 0) -> None:
-        """Grows the side table (by doubling) so that ``need`` entries are free once
-        ``freed`` more are."""
+        """Grows the side table (by doubling): ``need`` entries free once ``freed`` more are."""
         if self._n_free + freed >= need:
             return
         cap = self._side.batch_size[0]
@@ -346,20 +405,7 @@ class CompactStorage(LazyTensorStorage):
     # ----------------------------------------------------------- write
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         """Writes rows at ``cursor``; their next observations become links or side entries."""
-        if not isinstance(data, TensorDictBase):
-            raise InputError(
-                f"CompactStorage stores TensorDict rows; got {type(data).__name__}. Use "
-                "LazyTensorStorage for other data. Nothing was written."
-            )
-        if not self._checked_writer:
-            self._check_writer()
-        one = isinstance(cursor, int) or (isinstance(cursor, torch.Tensor) and cursor.ndim == 0)
-        rows = data.unsqueeze(0) if one and data.batch_dims == 0 else data
-        if self.device == "auto":
-            self.device = rows.device if rows.device is not None else torch.device("cpu")
-        device = self.device
-        if rows.device != device:
-            rows = rows.to(device)
+        one, rows = self._rows_to_write(cursor, data)
         n = rows.batch_size[0]
         slots = self._slots_written(cursor)
         sid = rows.get(STREAM_KEY, None)
@@ -373,23 +419,13 @@ class CompactStorage(LazyTensorStorage):
                 "through the replay buffer (rb.extend / rb.add). Nothing was written."
             )
         keys = self._obs_keys if self._obs_keys is not None else self._find_keys(rows)
-        nkeys = [(NEXT, *k) for k in keys]
-        for k, nk in zip(keys, nkeys):
-            if not isinstance(rows.get(nk, None), torch.Tensor):
-                raise InputError(
-                    f"CompactStorage: the rows written have {k} but not {nk}; every "
-                    "write needs both (AutoresetFilter writes both; with "
-                    "Collector(compact_obs=True) keep the filter's compact=False). Nothing "
-                    "was written."
-                )
+        nkeys = self._next_keys(rows, keys)
         if n > self.max_size:  # only the last max_size rows stay (as TorchRL stores them)
             rows = rows[-self.max_size :]
             slots, sid = slots[-self.max_size :], sid[-self.max_size :]
             cursor = torch.from_numpy(slots)
         first = self._link is None
-        link = (
-            np.full(self.max_size, -1, dtype=np.int32) if first else self._link_host.numpy()
-        )
+        link = np.full(self.max_size, -1, dtype=np.int32) if first else self._link_host.numpy()
         plan = plan_links(
             sid, slots, link, self._pend_stream, self._pend_slot, self._next_slot, set_cursor
         )
@@ -402,55 +438,125 @@ class CompactStorage(LazyTensorStorage):
             if rows_in.shape[0]:
                 at = self._to_device(link[rows_in].astype(np.int64))
                 detach = (rows_in, [self._storage.get(k)[at] for k in keys])
-        eq, ok = self._compare(rows, keys, nkeys, a, b, adjacent, j_pos, j_entry)
+        # CPU rows: numpy views of (obs, next obs) per key, compared and copied in kernels
+        words = None
+        if self._host_compare:
+            words = [
+                (host_words(rows.get(k)), host_words(rows.get(nk))) for k, nk in zip(keys, nkeys)
+            ]
+        eq, ok = self._compare(rows, keys, nkeys, words, a, b, adjacent, j_pos, j_entry)
         stored = rows.exclude(STREAM_KEY, *nkeys)
-        super().set(
-            cursor, stored[0] if one and data.batch_dims == 0 else stored, set_cursor=set_cursor
-        )
+        super().set(cursor, stored[0] if one else stored, set_cursor=set_cursor)
         if first:
-            self._obs_keys = keys
-            link_t = torch.from_numpy(link)  # the host copy the kernels write
-            self._link_host = link_t
-            self._link = link_t if torch.device(device).type == "cpu" else link_t.to(device)
-            self._side = TensorDict(
-                {
-                    nk: torch.empty(
-                        (0, *rows.get(nk).shape[1:]), dtype=rows.get(nk).dtype, device=device
-                    )
-                    for nk in nkeys
-                },
-                batch_size=[0],
-                device=device,
-            )
-            self._free = np.zeros(0, dtype=np.int64)
-            self._n_free = 0
-        touched = [slots]
+            self._first_layout(keys, nkeys, rows, link, self.device)
         if detach is not None:
-            rows_in, values = detach
-            entries = self._alloc(rows_in.shape[0])
-            at = self._to_device(entries)
-            for nk, v in zip(nkeys, values):
-                self._side.get(nk)[at] = v
-            link[rows_in] = -2 - entries
-            touched.append(rows_in)
-        self._reserve(a.shape[0] - int(eq.sum()) + l_pos.shape[0], freed + int(ok.sum()))
+            self._detach(detach, nkeys, link)
+        self._reserve(
+            a.shape[0] - np.count_nonzero(eq) + l_pos.shape[0], freed + np.count_nonzero(ok)
+        )
         self._n_free, side_pos, side_entry, self._pend_stream, self._pend_slot = commit_links(
             link, slots, a, b, eq, j_row, j_pos, ok, l_pos, l_sid, self._pend_stream,
             self._pend_slot, self._free, self._n_free,
         )  # fmt: skip
         if side_pos.shape[0]:
-            at, pos = self._to_device(side_entry), self._to_device(side_pos)
-            for nk in nkeys:
-                self._side.get(nk)[at] = rows.get(nk)[pos]
-        if self._link_host is not self._link:  # the links changed, to the device copy
-            touched.append(j_row[ok])
-            idx = torch.from_numpy(np.concatenate(touched))
-            self._link[idx.to(self._link.device)] = self._link_host[idx].to(self._link.device)
+            self._write_side(rows, nkeys, words, side_pos, side_entry)
+        if self._link_host is not self._link:  # the links changed: to the device copy
+            touched = [slots, j_row[ok]] + ([] if detach is None else [detach[0]])
+            self._push_links(touched)
         if n:
             self._next_slot = (int(slots[-1]) + 1) % self.max_size
 
-    def _compare(self, rows, keys, nkeys, a, b, adjacent, j_pos, j_entry):
+    def _write_side(self, rows, nkeys, words, side_pos, side_entry) -> None:
+        """The next observations of the rows at ``side_pos`` into side entries ``side_entry``."""
+        if words is not None:
+            for nk, (_, nxt) in zip(nkeys, words):
+                copy_rows(self._side_words(nk), side_entry, nxt, side_pos)
+            return
+        at, pos = self._to_device(side_entry), self._to_device(side_pos)
+        for nk in nkeys:
+            self._side.get(nk)[at] = rows.get(nk)[pos]
+
+    def _side_words(self, nk: tuple) -> np.ndarray:
+        """A writable numpy view of the side table's ``nk`` rows (CPU)."""
+        side = self._side.get(nk)
+        assert side.is_contiguous()  # (allocated here: a view, never a copy)
+        return host_words(side)
+
+    def _detach(self, detach: tuple, nkeys: list[tuple], link: np.ndarray) -> None:
+        """The next observations of rows linking into the slots written, to the side table."""
+        rows_in, values = detach
+        entries = self._alloc(rows_in.shape[0])
+        at = self._to_device(entries)
+        for nk, v in zip(nkeys, values):
+            self._side.get(nk)[at] = v
+        link[rows_in] = -2 - entries
+
+    def _push_links(self, touched: list[np.ndarray]) -> None:
+        """The links of the slots ``touched`` from the host copy to the device copy."""
+        idx = torch.from_numpy(np.concatenate(touched))
+        self._link[idx.to(self._link.device)] = self._link_host[idx].to(self._link.device)
+
+    def _rows_to_write(self, cursor: Any, data: Any) -> tuple[bool, TensorDictBase]:
+        """(whether ``data`` is one row at an int cursor, the rows as ``[n]`` on the device)."""
+        if not isinstance(data, TensorDictBase):
+            raise InputError(
+                f"CompactStorage stores TensorDict rows; got {type(data).__name__}. Use "
+                "LazyTensorStorage for other data. Nothing was written."
+            )
+        if not self._checked_writer:
+            self._check_writer()
+        one = isinstance(cursor, int) or (isinstance(cursor, torch.Tensor) and cursor.ndim == 0)
+        one = one and data.batch_dims == 0
+        rows = data.unsqueeze(0) if one else data
+        if self.device == "auto":
+            self.device = rows.device if rows.device is not None else torch.device("cpu")
+        if rows.device != self.device:
+            rows = rows.to(self.device)
+        return one, rows
+
+    @staticmethod
+    def _next_keys(rows: TensorDictBase, keys: list[tuple]) -> list[tuple]:
+        nkeys = [(NEXT, *k) for k in keys]
+        for k, nk in zip(keys, nkeys):
+            if not isinstance(rows.get(nk, None), torch.Tensor):
+                raise InputError(
+                    f"CompactStorage: the rows written have {k} but not {nk}; every "
+                    "write needs both (AutoresetFilter writes both; with "
+                    "Collector(compact_obs=True) keep the filter's compact=False). Nothing "
+                    "was written."
+                )
+        return nkeys
+
+    def _first_layout(self, keys, nkeys, rows, link: np.ndarray, device) -> None:
+        """The keys, the links (``link``: their host copy) and an empty side table."""
+        self._obs_keys = keys
+        link_t = torch.from_numpy(link)  # the host copy the kernels write
+        self._link_host = link_t
+        self._link = link_t if torch.device(device).type == "cpu" else link_t.to(device)
+        self._side = TensorDict(
+            {
+                nk: torch.empty(
+                    (0, *rows.get(nk).shape[1:]), dtype=rows.get(nk).dtype, device=device
+                )
+                for nk in nkeys
+            },
+            batch_size=[0],
+            device=device,
+        )
+        self._free = np.zeros(0, dtype=np.int64)
+        self._n_free = 0
+
+    def _compare(self, rows, keys, nkeys, words, a, b, adjacent, j_pos, j_entry):
         """Per pair, and per pending row to join, whether the bytes match (host bools)."""
+        if words is not None:  # CPU rows: compared in place, a kernel call per key
+            eq = np.ones(a.shape[0], np.bool_)
+            ok = np.ones(j_pos.shape[0], np.bool_)
+            for nk, (obs, nxt) in zip(nkeys, words):
+                if a.shape[0]:
+                    rows_match(nxt, obs, a, b, eq)
+                if j_pos.shape[0]:
+                    rows_match(self._side_words(nk), obs, j_entry, j_pos, ok)
+            return eq, ok
         same = joined = None
         if a.shape[0]:
             if adjacent:  # in row order: compare views, no gather
@@ -467,13 +573,14 @@ class CompactStorage(LazyTensorStorage):
             for k, nk in zip(keys, nkeys):
                 x = rows_equal(self._side.get(nk)[at], rows.get(k)[pos])
                 joined = x if joined is None else joined & x
-        if same is not None and joined is not None and same.device.type != "cpu":
-            both = torch.cat([same, joined]).cpu().numpy()  # one transfer
-            same, joined = both[: same.shape[0]], both[same.shape[0] :]
-        same = np.zeros(0, np.bool_) if same is None else same.cpu().numpy()
-        joined = np.zeros(0, np.bool_) if joined is None else joined.cpu().numpy()
-        eq = same[a] if adjacent and a.shape[0] else same
-        return np.ascontiguousarray(eq), joined
+        empty = torch.zeros(0, dtype=torch.bool)
+        same = empty if same is None else same
+        joined = empty if joined is None else joined
+        both = torch.cat([same.cpu(), joined.cpu()]).numpy()  # (one transfer each)
+        eq, ok = both[: same.shape[0]], both[same.shape[0] :]
+        if adjacent and a.shape[0]:
+            eq = eq[a]
+        return np.ascontiguousarray(eq), np.ascontiguousarray(ok)
 
     def _slots_written(self, cursor: Any) -> np.ndarray:
         if isinstance(cursor, slice):
@@ -482,6 +589,8 @@ class CompactStorage(LazyTensorStorage):
         if isinstance(cursor, range):
             return np.arange(cursor.start, cursor.stop, cursor.step, dtype=np.int64)
         if isinstance(cursor, torch.Tensor):
+            if cursor.dtype == torch.int64 and cursor.device.type == "cpu" and cursor.ndim == 1:
+                return cursor.numpy()  # (the writer's own index: read, never written)
             return cursor.reshape(-1).to(device="cpu", dtype=torch.int64).numpy()
         return np.asarray(cursor, dtype=np.int64).reshape(-1)
 

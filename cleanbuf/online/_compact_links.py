@@ -52,6 +52,59 @@ def _written(slot, start, n, size, sorted_slots):
 
 
 @njit(cache=True, nogil=True)
+def _stable_order(sid):
+    """``np.argsort(sid, kind="stable")``, cheap where it is sorted or spans few values."""
+    n = sid.shape[0]
+    ascending = True
+    lo = hi = sid[0] if n else 0
+    for i in range(1, n):
+        if sid[i] < sid[i - 1]:
+            ascending = False
+        lo = min(lo, sid[i])
+        hi = max(hi, sid[i])
+    if ascending:  # the filter's rows: stream by stream
+        return np.arange(n)
+    if hi - lo > 4 * n + 64:
+        return np.argsort(sid, kind="mergesort")
+    count = np.zeros(hi - lo + 2, np.int64)  # a counting sort, stable
+    for i in range(n):
+        count[sid[i] - lo + 1] += 1
+    for v in range(1, count.shape[0]):
+        count[v] += count[v - 1]
+    order = np.empty(n, np.int64)
+    for i in range(n):
+        v = sid[i] - lo
+        order[count[v]] = i
+        count[v] += 1
+    return order
+
+
+@njit(cache=True, nogil=True)
+def rows_match(x, y, xi, yi, out):
+    """``out[i] &= (x[xi[i]] == y[yi[i]])`` as whole rows of integer words (so: bytes).
+
+    The storage's comparison where its rows are on the CPU (numpy views of
+    them, nothing copied); elsewhere it compares on the device.
+    """
+    width = x.shape[1]
+    for i in range(out.shape[0]):
+        if not out[i]:
+            continue
+        r, s = xi[i], yi[i]
+        for w in range(width):
+            if x[r, w] != y[s, w]:
+                out[i] = False
+                break
+
+
+@njit(cache=True, nogil=True)
+def copy_rows(dst, di, src, si):
+    """``dst[di[i]] = src[si[i]]``, whole rows of integer words (CPU side-table writes)."""
+    for i in range(di.shape[0]):
+        dst[di[i]] = src[si[i]]
+
+
+@njit(cache=True, nogil=True)
 def plan_links(sid, slots, link, pend_stream, pend_slot, next_slot, in_order):
     """Pairs a write's rows before anything is written.
 
@@ -87,7 +140,7 @@ def plan_links(sid, slots, link, pend_stream, pend_slot, next_slot, in_order):
                     break
     start = _ring_start(slots, size)
     sorted_slots = np.sort(slots) if start < 0 else slots[:0]
-    order = np.argsort(sid, kind="mergesort")
+    order = _stable_order(sid)
     a = np.empty(max(n - 1, 0), np.int64)
     b = np.empty(max(n - 1, 0), np.int64)
     m = 0
@@ -163,12 +216,17 @@ def commit_links(link, slots, a, b, eq, j_row, j_pos, ok, l_pos, l_sid, pend_str
     Args:
         link: int32[max_size], updated in place.
         slots: int64[n] the slots written.
-        a, b, eq: the pairs of :func:`plan_links` and whether ``b``'s
-            observation equals ``a``'s next observation, byte for byte.
-        j_row, j_pos, ok: the pending rows to join, and whether each compared
-            equal with its stream's first row here.
-        l_pos, l_sid: each stream's last row here (sorted by stream id).
-        pend_stream, pend_slot: the pending rows before the write.
+        a: the pairs of :func:`plan_links`: the earlier row...
+        b: ...and the next row of its stream.
+        eq: bool, per pair: ``b``'s observation equals ``a``'s next
+            observation, byte for byte.
+        j_row: the pending rows to join (slots), from :func:`plan_links`.
+        j_pos: the position of their stream's first row here.
+        ok: bool, per pending row: it compared equal with that row.
+        l_pos: each stream's last row here (sorted by stream id).
+        l_sid: its stream.
+        pend_stream: the streams with a pending row before the write (sorted).
+        pend_slot: their pending slots.
         free: int64[capacity] the free-entry stack, updated in place.
         n_free: entries on it.
 

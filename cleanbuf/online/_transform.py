@@ -402,12 +402,12 @@ class AutoresetFilter(OnlineCleaner, Transform):
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
         if self._bypass:
             return tensordict
-        out = self._clean(tensordict)
+        out = self._clean(tensordict, owned=True)  # (inv made the shallow copy)
         # ReplayBuffer.extend / add store nothing for None (their writers
         # reject an empty batch).
         return out if out.batch_size[0] else None
 
-    def _clean(self, tensordict: TensorDictBase) -> TensorDictBase:
+    def _clean(self, tensordict: TensorDictBase, *, owned: bool = False) -> TensorDictBase:
         """One call of the cleaner on ``tensordict``: the flat rows it leaves."""
         if self.parent is not None:
             raise RuntimeError(
@@ -440,7 +440,9 @@ class AutoresetFilter(OnlineCleaner, Transform):
         marks = self.__dict__["_marks"] if self._tracks_writes() else None
         lost = self._engine.count("terminal_obs_missing")
         if self._stream_index:  # which stored row follows which, for the compact storage
-            tensordict = with_stream_index(tensordict, self.options.layout, self.options.stream_key)
+            tensordict = with_stream_index(
+                tensordict, self.options.layout, self.options.stream_key, owned=owned
+            )
         try:
             out = self._engine(tensordict)
         except CleanbufError as err:
