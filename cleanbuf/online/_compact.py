@@ -49,10 +49,12 @@ from cleanbuf.engine._errors import InputError, LayoutError, StateError
 from cleanbuf.engine._keys import NEXT, may_be_observation
 from cleanbuf.online._compact_links import (
     commit_links,
+    continues_ring,
     copy_rows,
     plan_links,
     rows_linking_into,
     rows_match,
+    write_links,
 )
 
 STREAM_KEY = "_cleanbuf_stream"
@@ -408,11 +410,7 @@ class CompactStorage(LazyTensorStorage):
         one, rows = self._rows_to_write(cursor, data)
         n = rows.batch_size[0]
         slots = self._slots_written(cursor)
-        sid = rows.get(STREAM_KEY, None)
-        if sid is None:
-            sid = np.full(n, -1, dtype=np.int64)
-        else:  # a small index column: to the host
-            sid = sid.reshape(-1).to(device="cpu", dtype=torch.int64).numpy()
+        sid = self._stream_ids(rows, n)
         if slots.shape[0] != n:
             raise InputError(
                 f"CompactStorage: a write of {n} rows at {slots.shape[0]} slots. Write rows "
@@ -424,6 +422,8 @@ class CompactStorage(LazyTensorStorage):
             rows = rows[-self.max_size :]
             slots, sid = slots[-self.max_size :], sid[-self.max_size :]
             cursor = torch.from_numpy(slots)
+        if self._in_order_write(cursor, rows, one, slots, sid, keys, nkeys, set_cursor):
+            return
         first = self._link is None
         link = np.full(self.max_size, -1, dtype=np.int32) if first else self._link_host.numpy()
         plan = plan_links(
@@ -465,6 +465,44 @@ class CompactStorage(LazyTensorStorage):
             self._push_links(touched)
         if n:
             self._next_slot = (int(slots[-1]) + 1) % self.max_size
+
+    @staticmethod
+    def _stream_ids(rows: TensorDictBase, n: int) -> np.ndarray:
+        """Each row's stream (the filter's column; none: one stream), on the host."""
+        sid = rows.get(STREAM_KEY, None)
+        if sid is None:
+            return np.full(n, -1, dtype=np.int64)
+        return sid.reshape(-1).to(device="cpu", dtype=torch.int64).numpy()  # (small)
+
+    def _in_order_write(self, cursor, rows, one, slots, sid, keys, nkeys, set_cursor) -> bool:
+        """The common write in one kernel call: CPU rows, one key, continuing the ring.
+
+        Returns whether it wrote (else :meth:`set` takes the general path).
+        """
+        if not (
+            len(keys) == 1
+            and self._link is not None
+            and self._host_compare
+            and set_cursor
+            and slots.shape[0]
+            and continues_ring(slots, self._next_slot, self.max_size)
+        ):
+            return False
+        obs, nxt = host_words(rows.get(keys[0])), host_words(rows.get(nkeys[0]))
+        stored = rows.exclude(STREAM_KEY, *nkeys)
+        super().set(cursor, stored[0] if one else stored, set_cursor=set_cursor)
+        link = self._link_host.numpy()
+        while True:
+            need, n_free, pend_stream, pend_slot = write_links(
+                sid, slots, link, self._pend_stream, self._pend_slot, self._free, self._n_free,
+                obs, nxt, self._side_words(nkeys[0]),
+            )  # fmt: skip
+            if not need:
+                break
+            self._reserve(need, n_free)  # (nothing was changed: grow, then again)
+        self._n_free, self._pend_stream, self._pend_slot = n_free, pend_stream, pend_slot
+        self._next_slot = (int(slots[-1]) + 1) % self.max_size
+        return True
 
     def _write_side(self, rows, nkeys, words, side_pos, side_entry) -> None:
         """The next observations of the rows at ``side_pos`` into side entries ``side_entry``."""

@@ -306,3 +306,51 @@ def rows_linking_into(link, slots):
             out[k] = r
             k += 1
     return out[:k]
+
+
+@njit(cache=True, nogil=True)
+def continues_ring(slots, next_slot, size):
+    """Whether ``slots`` are the ring's next ``n`` slots from ``next_slot``."""
+    for i in range(slots.shape[0]):
+        if slots[i] != (next_slot + i) % size:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def write_links(sid, slots, link, pend_stream, pend_slot, free, n_free, obs, nxt, side):
+    """One in-order write of CPU rows with one observation key, in one call.
+
+    :func:`plan_links`, the byte comparisons (:func:`rows_match`),
+    :func:`commit_links` and the side-table writes (:func:`copy_rows`) in
+    turn, for the common case: rows stored on the CPU, one observation
+    key, the write continuing the ring (nothing to detach), after the rows
+    are stored. ``obs`` / ``nxt`` / ``side``: word views of the rows'
+    observations, their next observations and the side table.
+
+    Returns:
+        ``(need, n_free, pend_stream, pend_slot)``: ``need`` is 0 when the
+        write is done; otherwise nothing was changed and the side table must
+        first have ``need`` entries free once ``n_free`` more are freed
+        (``n_free`` then holds that count).
+    """
+    plan = plan_links(sid, slots, link, pend_stream, pend_slot, 0, False)
+    _, a, b, _, l_pos, l_sid, j_row, j_pos, j_entry, freed = plan
+    eq = np.ones(a.shape[0], np.bool_)
+    ok = np.ones(j_pos.shape[0], np.bool_)
+    rows_match(nxt, obs, a, b, eq)
+    rows_match(side, obs, j_entry, j_pos, ok)
+    need = l_pos.shape[0]
+    for i in range(eq.shape[0]):
+        if not eq[i]:
+            need += 1
+    for i in range(ok.shape[0]):
+        if ok[i]:
+            freed += 1
+    if n_free + freed < need:
+        return need, freed, pend_stream, pend_slot
+    n_free, side_pos, side_entry, pend_stream, pend_slot = commit_links(
+        link, slots, a, b, eq, j_row, j_pos, ok, l_pos, l_sid, pend_stream, pend_slot, free, n_free
+    )
+    copy_rows(side, side_entry, nxt, side_pos)
+    return 0, n_free, pend_stream, pend_slot
