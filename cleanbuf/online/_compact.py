@@ -291,7 +291,8 @@ class CompactStorage(LazyTensorStorage):
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
         """A host index array as a tensor on the storage's device (no copy on the CPU)."""
         t = torch.from_numpy(x)
-        return t if self._link.device.type == "cpu" else t.to(self._link.device)
+        device = torch.device(self.device)  # (resolved at the first write)
+        return t if device.type == "cpu" else t.to(device)
 
     @property
     def side_rows(self) -> int:
