@@ -409,6 +409,31 @@ def test_refusals(tmp_path):
         CompactStorage(8, ndim=2)
 
 
+@pytest.mark.parametrize("how", ["dumps", "state_dict"])
+def test_compact_dump_into_a_plain_buffer_is_named(how, tmp_path):
+    """A compact buffer's dump (or state) loaded by a buffer over a
+    LazyTensorStorage with the filter. Bug caught: TorchRL loads the rows
+    without their next observations and the first sample fails with a bare
+    KeyError (a newcomer's report); the filter's state now says its buffer
+    was compact and the load is refused by name. A CompactStorage of the
+    same size loads it.
+    """
+    compact = _filled(CompactStorage(64))
+    plain = ReplayBuffer(storage=LazyTensorStorage(64), transform=AutoresetFilter("next_step"))
+    again = ReplayBuffer(storage=CompactStorage(64), transform=AutoresetFilter("next_step"))
+    if how == "dumps":
+        compact.dumps(tmp_path / "compact")
+        with pytest.raises(StateError, match=r"CompactStorage\(max_size\)"):
+            plain.loads(tmp_path / "compact")
+        again.loads(tmp_path / "compact")
+    else:
+        state = compact.state_dict()
+        with pytest.raises(StateError, match="KeyError"):
+            plain.load_state_dict(state)
+        again.load_state_dict(state)
+    assert_bitwise(again.storage[:], compact.storage[:], "loaded into a CompactStorage")
+
+
 def test_offline_reads_a_compact_dump(tmp_path):
     """cleanbuf.audit reads a compact buffer's dump (and the live buffer,
     which it dumps first) as the plain buffer's, and the reader that

@@ -137,6 +137,31 @@ def is_compact(storage: Any) -> bool:
     return isinstance(storage, CompactStorage)
 
 
+def check_compact_load(rb: Any) -> None:
+    """Refuses a filter state saved beside a compact buffer, loaded by a buffer without one.
+
+    ``rb.dumps`` / ``rb.state_dict`` of a buffer over a
+    :class:`CompactStorage` save its rows without ``("next", obs)``;
+    TorchRL's ``LazyTensorStorage`` loads them without complaint, and only
+    sampling them fails (a bare ``KeyError`` for the observation under
+    ``"next"``). The filter's state says that its buffer was compact, and
+    TorchRL loads the filter after the storage, so the filter names the
+    mistake here. ``rb`` None (a filter loaded on its own): nothing to check.
+    """
+    if rb is None or is_compact(getattr(rb, "storage", None)):
+        return
+    raise StateError(
+        f"this state (rb.loads / rb.load_state_dict) was saved by a buffer whose storage is "
+        f"a cleanbuf.CompactStorage, which stores each observation once and rebuilds "
+        f"('next', obs) at sample time; this buffer's storage is "
+        f"{type(rb.storage).__name__}, which has just loaded the rows without their next "
+        "observations (sampling them would fail with KeyError). Build the buffer with "
+        "storage=cleanbuf.CompactStorage(max_size) (the same max_size as the saved one) and "
+        "load again; to get a plain buffer, load into a CompactStorage and extend a "
+        "LazyTensorStorage buffer with rb.storage[:]."
+    )
+
+
 def with_stream_index(
     td: TensorDictBase, layout: str | None, stream_key: Any, *, owned: bool = False
 ) -> TensorDictBase:

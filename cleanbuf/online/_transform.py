@@ -20,7 +20,12 @@ from cleanbuf.engine._errors import (
 from cleanbuf.engine._options import Options, keyword_names, options_in, refuse_unknown
 from cleanbuf.online import _at_exit, _publish, _writes
 from cleanbuf.online._base import OnlineCleaner
-from cleanbuf.online._compact import STREAM_KEY, is_compact, with_stream_index
+from cleanbuf.online._compact import (
+    STREAM_KEY,
+    check_compact_load,
+    is_compact,
+    with_stream_index,
+)
 from cleanbuf.online._compat import calling_replay_buffer
 from cleanbuf.online._copies import CopyStates
 from cleanbuf.online._first_write import check_late_attachment, check_orientation
@@ -521,6 +526,8 @@ class AutoresetFilter(OnlineCleaner, Transform):
     def get_extra_state(self) -> dict:
         self._settle_write()
         state = self._engine.state_dict()
+        if self._stream_index or self.__dict__.get("_fed_compact"):
+            state["compact_storage"] = True  # its buffer's rows hold no next observations
         if self._copies is not None:  # every other copy's state too
             self._publish()
             state["copies"] = self._copies.others()
@@ -538,6 +545,9 @@ class AutoresetFilter(OnlineCleaner, Transform):
                 "AutoresetFilter loads only what AutoresetFilter.state_dict() returned. "
                 "Nothing was changed."
             )
+        if state.get("compact_storage"):
+            check_compact_load(calling_replay_buffer(max_frames=24))
+            self.__dict__["_fed_compact"] = True
         others = state.get("copies", [])
         _publish.check_states(others, self.options)
         self._engine.load_state_dict(state)
