@@ -667,6 +667,14 @@ def _check_links(storage, model, keys):
     free = storage._free[: storage._n_free].tolist()
     assert not set(free) & set(entries), "a side entry in use is on the free stack"
     assert dict(zip(storage._pend_stream.tolist(), storage._pend_slot.tolist())) == model.pending
+    written = [s for s, want in enumerate(model.link) if want is not None and s < len(storage)]
+    if not written:
+        return
+    rows = storage.get(torch.tensor(written))  # the read path (CPU kernel or device gathers)
+    for i, slot in enumerate(written):
+        want = model.link[slot]
+        want = model.obs[want] if isinstance(want, int) else want[1]
+        assert _row_bytes(rows, nkeys, i) == want, f"slot {slot}: next observation read back"
 
 
 @pytest.mark.parametrize("path", ["one key, CPU", "two keys, CPU", "device path"])
@@ -685,9 +693,10 @@ def test_link_kernels_match_the_readable_model(path, seed, max_size, streams, wr
     call sizes, the ring wrapping, and one write in ten at a random slot
     out of ring order; for the single-key CPU kernel, the general CPU path
     (two keys) and the device path (torch comparisons, run on the CPU).
-    Links, side entries, the free stack and the pending rows are checked
-    after every write. Bugs caught: a link made without the byte match (a
-    wrong next observation served with no error), a stream's pending row
+    Links, side entries, the free stack, the pending rows and every next
+    observation read back are checked after every write. Bugs caught: a
+    link made without the byte match (a wrong next observation served with
+    no error), a stream's pending row
     not closed by its next write or closed by another stream's row, a
     side entry leaked, freed twice or shared, a pending row kept after the
     ring overwrote it, a row left linking into a slot written out of ring

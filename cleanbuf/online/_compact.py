@@ -51,6 +51,7 @@ from cleanbuf.online._compact_links import (
     commit_links,
     continues_ring,
     copy_rows,
+    gather_next,
     plan_links,
     rows_linking_into,
     rows_match,
@@ -310,7 +311,7 @@ class CompactStorage(LazyTensorStorage):
 
     @property
     def _host_compare(self) -> bool:
-        """Whether writes compare rows on the host (CPU rows) or on the device."""
+        """Whether writes and reads run kernels on the rows (CPU) or torch ops (device)."""
         return self._compare_on_host and torch.device(self.device).type == "cpu"
 
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
@@ -665,6 +666,15 @@ class CompactStorage(LazyTensorStorage):
         if self._obs_keys is None:
             return out
         slots = self._slots_read(index)
+        if self._host_compare:  # CPU: one kernel pass per key
+            flat = slots.reshape(-1).numpy()
+            link = self._link_host.numpy()
+            for k in self._obs_keys:
+                rows, side = self._storage.get(k), self._side.get((NEXT, *k))
+                value = torch.empty((flat.shape[0], *rows.shape[1:]), dtype=rows.dtype)
+                gather_next(link, flat, host_words(rows), host_words(side), host_words(value))
+                out.set((NEXT, *k), value.reshape(*slots.shape, *value.shape[1:]))
+            return out
         link = self._link[slots.reshape(-1)].long()
         side_rows = (link < 0).nonzero().flatten()
         entries = -2 - link[side_rows]
