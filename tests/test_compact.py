@@ -409,6 +409,31 @@ def test_refusals(tmp_path):
         CompactStorage(8, ndim=2)
 
 
+@pytest.mark.parametrize("how", ["dumps", "state_dict"])
+def test_compact_dump_into_a_plain_buffer_is_named(how, tmp_path):
+    """A compact buffer's dump (or state) loaded by a buffer over a
+    LazyTensorStorage with the filter. Bug caught: TorchRL loads the rows
+    without their next observations and the first sample fails with a bare
+    KeyError (a newcomer's report); the filter's state now says its buffer
+    was compact and the load is refused by name. A CompactStorage of the
+    same size loads it.
+    """
+    compact = _filled(CompactStorage(64))
+    plain = ReplayBuffer(storage=LazyTensorStorage(64), transform=AutoresetFilter("next_step"))
+    again = ReplayBuffer(storage=CompactStorage(64), transform=AutoresetFilter("next_step"))
+    if how == "dumps":
+        compact.dumps(tmp_path / "compact")
+        with pytest.raises(StateError, match=r"CompactStorage\(max_size\)"):
+            plain.loads(tmp_path / "compact")
+        again.loads(tmp_path / "compact")
+    else:
+        state = compact.state_dict()
+        with pytest.raises(StateError, match="KeyError"):
+            plain.load_state_dict(state)
+        again.load_state_dict(state)
+    assert_bitwise(again.storage[:], compact.storage[:], "loaded into a CompactStorage")
+
+
 def test_offline_reads_a_compact_dump(tmp_path):
     """cleanbuf.audit reads a compact buffer's dump (and the live buffer,
     which it dumps first) as the plain buffer's, and the reader that
@@ -572,3 +597,144 @@ def test_tensordict_buffer_trajectory_slices_and_add():
     assert_bitwise(added[1].storage[:], added[0].storage[:], "rb.add")
     ends = int(added[0].storage[:]["next", "done"].sum())
     assert added[1].storage.side_rows <= ends + 1
+
+
+class LinkModel:
+    """The compact storage's bookkeeping, readable: per slot, where its next observation is.
+
+    ``link[slot]`` is ``None`` (never written), an ``int`` (the slot whose
+    observation is this row's next one, byte for byte) or ``("side", value)``
+    (kept apart); ``pending[stream]`` is the stream's newest slot. A write:
+    rows linking into the slots written out of ring order keep their next
+    observation apart first; then each stream's rows link to the next row of
+    that stream where the bytes match, its first row closes the stream's
+    pending row of an earlier write (alive, bytes matching), and its last
+    row waits apart.
+    """
+
+    def __init__(self, max_size):
+        self.size = max_size
+        self.link = [None] * max_size
+        self.obs = [None] * max_size
+        self.pending = {}
+        self.next_slot = 0
+
+    def write(self, slots, sids, obs, nxt, in_order=True):
+        n = len(slots)
+        ordered = in_order and slots == [(self.next_slot + i) % self.size for i in range(n)]
+        written = set(slots)
+        if not ordered:
+            for r, t in enumerate(self.link):
+                if isinstance(t, int) and t in written and r not in written:
+                    self.link[r] = ("side", self.obs[t])
+        for stream in dict.fromkeys(sids):
+            rows = [i for i in range(n) if sids[i] == stream]
+            r = self.pending.get(stream)
+            if r is not None and r not in written and isinstance(self.link[r], tuple):
+                if self.link[r][1] == obs[rows[0]]:
+                    self.link[r] = slots[rows[0]]
+            for i, j in zip(rows, rows[1:]):
+                self.link[slots[i]] = slots[j] if nxt[i] == obs[j] else ("side", nxt[i])
+            self.link[slots[rows[-1]]] = ("side", nxt[rows[-1]])
+        self.pending = {s: r for s, r in self.pending.items() if r not in written}
+        for i in range(n):
+            self.obs[slots[i]] = obs[i]
+            self.pending[sids[i]] = slots[i]
+        self.next_slot = (slots[-1] + 1) % self.size
+
+
+def _row_bytes(td, keys, i):
+    return tuple(td.get(k)[i].numpy().tobytes() for k in keys)
+
+
+def _check_links(storage, model, keys):
+    nkeys = [("next", k) for k in keys]
+    link = storage._link_host.numpy()
+    assert torch.equal(storage._link.cpu(), storage._link_host), "device copy out of date"
+    entries = []
+    for slot, want in enumerate(model.link):
+        got = int(link[slot])
+        if want is None:
+            assert got == -1, (slot, got)
+        elif isinstance(want, int):
+            assert got == want, f"slot {slot}: links to {got}, the model to {want}"
+        else:
+            assert got <= -2, f"slot {slot}: links to {got}, the model keeps it apart"
+            entries.append(-2 - got)
+            assert _row_bytes(storage._side, nkeys, -2 - got) == want[1], f"slot {slot}: side"
+    assert len(set(entries)) == len(entries), "two rows share a side entry"
+    assert storage.side_rows == len(entries), "a side entry leaked or freed twice"
+    free = storage._free[: storage._n_free].tolist()
+    assert not set(free) & set(entries), "a side entry in use is on the free stack"
+    assert dict(zip(storage._pend_stream.tolist(), storage._pend_slot.tolist())) == model.pending
+    written = [s for s, want in enumerate(model.link) if want is not None and s < len(storage)]
+    if not written:
+        return
+    rows = storage.get(torch.tensor(written))  # the read path (CPU kernel or device gathers)
+    for i, slot in enumerate(written):
+        want = model.link[slot]
+        want = model.obs[want] if isinstance(want, int) else want[1]
+        assert _row_bytes(rows, nkeys, i) == want, f"slot {slot}: next observation read back"
+
+
+@pytest.mark.parametrize("path", ["one key, CPU", "two keys, CPU", "device path"])
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    max_size=st.integers(2, 40),
+    streams=st.integers(1, 5),
+    writes=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 9)), min_size=1, max_size=25),
+)
+def test_link_kernels_match_the_readable_model(path, seed, max_size, streams, writes):
+    """The write kernels (``plan_links``, ``commit_links``, ``write_links``,
+    ``rows_match``, ``copy_rows``) against :class:`LinkModel`, on random
+    interleaved streams whose observations often repeat the row before's
+    next one (few values, NaN and -0.0 among them), written in random
+    call sizes, the ring wrapping, and one write in ten at a random slot
+    out of ring order; for the single-key CPU kernel, the general CPU path
+    (two keys) and the device path (torch comparisons, run on the CPU).
+    Links, side entries, the free stack, the pending rows and every next
+    observation read back are checked after every write. Bugs caught: a
+    link made without the byte match (a wrong next observation served with
+    no error), a stream's pending row
+    not closed by its next write or closed by another stream's row, a
+    side entry leaked, freed twice or shared, a pending row kept after the
+    ring overwrote it, a row left linking into a slot written out of ring
+    order.
+    """
+    rng = np.random.default_rng(seed)
+    values = np.array([0.0, -0.0, 1.0, np.nan, 2.5], dtype=np.float32)
+    keys = ["observation", "pixels"] if path == "two keys, CPU" else ["observation"]
+    storage = CompactStorage(max_size)
+    storage._compare_on_host = path != "device path"
+    model = LinkModel(max_size)
+    last = {s: rng.choice(values, size=2) for s in range(streams)}
+    cursor = 0
+    for size, jump in writes:
+        size = min(size, max_size)
+        sids, obs, nxt = [], [], []
+        for _ in range(size):
+            s = int(rng.integers(streams))
+            o = last[s] if rng.random() < 0.7 else rng.choice(values, size=2)
+            x = rng.choice(values, size=2)
+            last[s] = x
+            sids.append(s)
+            obs.append(o)
+            nxt.append(x)
+        if jump == 0:
+            cursor = int(rng.integers(max_size))
+        slots = [(cursor + i) % max_size for i in range(size)]
+        cols = {}
+        for k, factor in zip(keys, (1.0, -1.0)):
+            cols[k] = torch.tensor(np.stack(obs) * factor)
+            cols[("next", k)] = torch.tensor(np.stack(nxt) * factor)
+        td = TensorDict(
+            {**cols, STREAM_KEY: torch.tensor(sids), "reward": torch.zeros(size)},
+            batch_size=[size],
+        )
+        storage.set(torch.tensor(slots), td, set_cursor=True)
+        want_obs = [_row_bytes(td, keys, i) for i in range(size)]
+        want_next = [_row_bytes(td, [("next", k) for k in keys], i) for i in range(size)]
+        model.write(slots, sids, want_obs, want_next)  # (out of order: slots tell)
+        _check_links(storage, model, keys)
+        cursor = (slots[-1] + 1) % max_size

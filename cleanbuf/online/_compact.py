@@ -33,17 +33,30 @@ the side table. A writer that chooses its own slots
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from multiprocessing.context import get_spawning_popen
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase
 from torchrl.data import LazyTensorStorage
 
 from cleanbuf.engine._errors import InputError, LayoutError, StateError
 from cleanbuf.engine._keys import NEXT, may_be_observation
+from cleanbuf.online._compact_links import (
+    commit_links,
+    continues_ring,
+    copy_rows,
+    gather_next,
+    plan_links,
+    rows_linking_into,
+    rows_match,
+    write_links,
+)
 
 STREAM_KEY = "_cleanbuf_stream"
 """The per-row stream index the filter adds for a compact storage (never stored)."""
@@ -52,6 +65,7 @@ MARKER = "cleanbuf_compact.json"
 """The file that marks a compact storage's dump (``rb.dumps(path)``: in ``path/storage``)."""
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INTS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -90,12 +104,68 @@ def rows_equal(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (_bits(x) == _bits(y)).all(1)
 
 
+def host_words(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's rows as a numpy ``[n, words]`` integer view, for a byte comparison.
+
+    The widest word that divides a row is used; nothing is copied unless a
+    row is not contiguous (then the copy is read only).
+
+    Examples:
+        >>> host_words(torch.zeros(3, 17)).dtype, host_words(torch.zeros(3, 17)).shape
+        (dtype('int32'), (3, 17))
+    """
+    if x.requires_grad:
+        x = x.detach()
+    if x.dtype == torch.bfloat16:  # (no numpy twin)
+        x = (
+            x.view(torch.int16)
+            if x.ndim and x.stride(-1) == 1
+            else x.contiguous().view(torch.int16)
+        )
+    a = x.numpy()
+    a = a.reshape(a.shape[0], math.prod(a.shape[1:]))
+    if a.shape[1] > 1 and a.strides[1] != a.itemsize:
+        a = np.ascontiguousarray(a)
+    row = a.shape[1] * a.itemsize
+    size = 8 if not row % 8 else 4 if not row % 4 else 2 if not row % 2 else 1
+    if size < a.itemsize:  # (a row of one 2-byte word, say: keep the dtype's width)
+        size = a.itemsize
+    return a.view(_NP_INTS[size]) if row else a.view(np.uint8)
+
+
 def is_compact(storage: Any) -> bool:
     """Whether ``storage`` is a :class:`CompactStorage` (the filter then adds stream indices)."""
     return isinstance(storage, CompactStorage)
 
 
-def with_stream_index(td: TensorDictBase, layout: str | None, stream_key: Any) -> TensorDictBase:
+def check_compact_load(rb: Any) -> None:
+    """Refuses a filter state saved beside a compact buffer, loaded by a buffer without one.
+
+    ``rb.dumps`` / ``rb.state_dict`` of a buffer over a
+    :class:`CompactStorage` save its rows without ``("next", obs)``;
+    TorchRL's ``LazyTensorStorage`` loads them without complaint, and only
+    sampling them fails (a bare ``KeyError`` for the observation under
+    ``"next"``). The filter's state says that its buffer was compact, and
+    TorchRL loads the filter after the storage, so the filter names the
+    mistake here. ``rb`` None (a filter loaded on its own): nothing to check.
+    """
+    if rb is None or is_compact(getattr(rb, "storage", None)):
+        return
+    raise StateError(
+        f"this state (rb.loads / rb.load_state_dict) was saved by a buffer whose storage is "
+        f"a cleanbuf.CompactStorage, which stores each observation once and rebuilds "
+        f"('next', obs) at sample time; this buffer's storage is "
+        f"{type(rb.storage).__name__}, which has just loaded the rows without their next "
+        "observations (sampling them would fail with KeyError). Build the buffer with "
+        "storage=cleanbuf.CompactStorage(max_size) (the same max_size as the saved one) and "
+        "load again; to get a plain buffer, load into a CompactStorage and extend a "
+        "LazyTensorStorage buffer with rb.storage[:]."
+    )
+
+
+def with_stream_index(
+    td: TensorDictBase, layout: str | None, stream_key: Any, *, owned: bool = False
+) -> TensorDictBase:
     """``td`` (a shallow copy) with each row's stream index under :data:`STREAM_KEY`.
 
     The index is the env's position in the batch (``[*E, T]``: the flat
@@ -107,6 +177,8 @@ def with_stream_index(td: TensorDictBase, layout: str | None, stream_key: Any) -
         td: the batch, as the filter gets it.
         layout: the filter's ``layout`` option.
         stream_key: the filter's ``stream_key`` option.
+        owned: ``td`` is the filter's own shallow copy (TorchRL's ``inv``
+            makes one): the column is set on it, no copy made.
 
     Returns:
         The batch with the column (the caller's batch is unchanged).
@@ -118,22 +190,34 @@ def with_stream_index(td: TensorDictBase, layout: str | None, stream_key: Any) -
     """
     shape = td.batch_size
     device = td.device
-    if layout == "stream_key" and stream_key is not None and stream_key in td.keys(True, True):
-        value = td.get(stream_key)
+    value = None
+    if layout == "stream_key" and stream_key is not None:
+        value = td.get(stream_key, None)
+    if isinstance(value, torch.Tensor):
         ids = value.reshape(*shape, -1)[..., 0].to(torch.int64)
-    elif len(shape) <= 1 and layout != "step":
+        if device is not None:
+            ids = ids.to(device)
+    else:
+        ids = _positions(tuple(shape), layout, device)
+    out = td if owned and not td.is_locked else td.copy()
+    out.set(STREAM_KEY, ids)
+    return out
+
+
+@functools.lru_cache(maxsize=32)
+def _positions(shape: tuple, layout: str | None, device: Any) -> torch.Tensor:
+    """The stream index of every row of a batch of ``shape`` (read only: shared)."""
+    if len(shape) <= 1 and layout != "step":
         ids = torch.zeros(shape, dtype=torch.int64, device=device)
     elif layout == "step":
-        ids = torch.arange(shape.numel(), device=device).reshape(shape)
+        ids = torch.arange(math.prod(shape), device=device).reshape(shape)
     elif layout == "time_first":
-        envs = shape[1:].numel()
+        envs = math.prod(shape[1:])
         ids = torch.arange(envs, device=device).reshape(shape[1:]).expand(shape)
     else:  # [*E, T]
-        envs = shape[:-1].numel()
+        envs = math.prod(shape[:-1])
         ids = torch.arange(envs, device=device).reshape(*shape[:-1], 1).expand(shape)
-    out = td.copy()
-    out.set(STREAM_KEY, ids if device is None else ids.to(device))
-    return out
+    return ids
 
 
 class CompactStorage(LazyTensorStorage):
@@ -203,19 +287,38 @@ class CompactStorage(LazyTensorStorage):
         if observation_keys is not None:
             declared = [(k,) if isinstance(k, str) else tuple(k) for k in observation_keys]
         self._declared = declared
+        self._compare_on_host = True  # (False: the device path, which tests also run on the CPU)
         self._reset_links()
 
     # ----------------------------------------------------------- state
     def _reset_links(self) -> None:
         self._obs_keys: list[tuple] | None = None  # set at the first write
-        self._link: torch.Tensor | None = None  # int32 [max_size]
+        self._link: torch.Tensor | None = None  # int32 [max_size], on the device
+        self._link_host: torch.Tensor | None = None  # its host copy (itself on the CPU)
         self._side: TensorDict | None = None  # ("next", k) rows, [capacity]
-        self._free = torch.zeros(0, dtype=torch.int64)  # free side entries (a stack)
+        # The bookkeeping the kernels keep (host index arrays, never observations):
+        self._free = np.zeros(0, dtype=np.int64)  # free side entries (a stack)
         self._n_free = 0
-        self._pend_stream = torch.zeros(0, dtype=torch.int64)  # sorted stream ids
-        self._pend_slot = torch.zeros(0, dtype=torch.int64)  # their newest slot
+        self._pend_stream = np.zeros(0, dtype=np.int64)  # sorted stream ids
+        self._pend_slot = np.zeros(0, dtype=np.int64)  # their newest slot
         self._next_slot = 0  # where an in-order write starts
         self._checked_writer = False
+
+    def _set_link(self, link: torch.Tensor) -> None:
+        """Takes ``link`` (on the device) and makes its host copy."""
+        self._link = link
+        self._link_host = link if link.device.type == "cpu" else link.cpu()
+
+    @property
+    def _host_compare(self) -> bool:
+        """Whether writes and reads run kernels on the rows (CPU) or torch ops (device)."""
+        return self._compare_on_host and torch.device(self.device).type == "cpu"
+
+    def _to_device(self, x: np.ndarray) -> torch.Tensor:
+        """A host index array as a tensor on the storage's device (no copy on the CPU)."""
+        t = torch.from_numpy(x)
+        device = torch.device(self.device)  # (resolved at the first write)
+        return t if device.type == "cpu" else t.to(device)
 
     @property
     def side_rows(self) -> int:
@@ -234,9 +337,11 @@ class CompactStorage(LazyTensorStorage):
             total += sum(t.numel() * t.element_size() for t in self._storage.values(True, True))
         if self._link is not None:
             total += self._link.numel() * self._link.element_size()
+            if self._link_host is not self._link:
+                total += self._link_host.numel() * self._link_host.element_size()
         if self._side is not None:
             total += sum(t.numel() * t.element_size() for t in self._side.values(True, True))
-        total += self._free.numel() * 8 + (self._pend_slot.numel() + self._pend_stream.numel()) * 8
+        total += self._free.nbytes + self._pend_slot.nbytes + self._pend_stream.nbytes
         return total
 
     # ----------------------------------------------------------- first write
@@ -298,39 +403,166 @@ class CompactStorage(LazyTensorStorage):
         return keys
 
     # ----------------------------------------------------------- side table
-    def _alloc(self, n: int) -> torch.Tensor:
-        """``n`` free side entries (the table grows by doubling)."""
-        if self._n_free < n:
-            cap = self._side.batch_size[0]
-            new_cap = max(2 * cap, cap + n - self._n_free, 64)
-            side = TensorDict(
-                {
-                    k: torch.empty((new_cap, *v.shape[1:]), dtype=v.dtype, device=v.device)
-                    for k, v in self._side.items(True, True)
-                },
-                batch_size=[new_cap],
-                device=self._side.device,
-            )
-            side[:cap] = self._side
-            self._side = side
-            free = torch.empty(new_cap, dtype=torch.int64, device=self._free.device)
-            free[: self._n_free] = self._free[: self._n_free]
-            grown = torch.arange(cap, new_cap, device=free.device)
-            free[self._n_free : self._n_free + grown.numel()] = grown.flip(0)
-            self._free = free
-            self._n_free += grown.numel()
-        self._n_free -= n
-        return self._free[self._n_free : self._n_free + n].clone()
+    def _reserve(self, need: int, freed: int = 0) -> None:
+        """Grows the side table (by doubling): ``need`` entries free once ``freed`` more are."""
+        if self._n_free + freed >= need:
+            return
+        cap = self._side.batch_size[0]
+        new_cap = max(2 * cap, cap + need - self._n_free - freed, 64)
+        side = TensorDict(
+            {
+                k: torch.empty((new_cap, *v.shape[1:]), dtype=v.dtype, device=v.device)
+                for k, v in self._side.items(True, True)
+            },
+            batch_size=[new_cap],
+            device=self._side.device,
+        )
+        side[:cap] = self._side
+        self._side = side
+        free = np.empty(new_cap, dtype=np.int64)
+        free[: self._n_free] = self._free[: self._n_free]
+        free[self._n_free : self._n_free + new_cap - cap] = np.arange(new_cap - 1, cap - 1, -1)
+        self._free = free
+        self._n_free += new_cap - cap
 
-    def _release(self, entries: torch.Tensor) -> None:
-        m = entries.numel()
-        if m:
-            self._free[self._n_free : self._n_free + m] = entries
-            self._n_free += m
+    def _alloc(self, n: int) -> np.ndarray:
+        """``n`` free side entries (the table grows by doubling)."""
+        self._reserve(n)
+        self._n_free -= n
+        return self._free[self._n_free : self._n_free + n].copy()
 
     # ----------------------------------------------------------- write
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         """Writes rows at ``cursor``; their next observations become links or side entries."""
+        one, rows = self._rows_to_write(cursor, data)
+        n = rows.batch_size[0]
+        slots = self._slots_written(cursor)
+        sid = self._stream_ids(rows, n)
+        if slots.shape[0] != n:
+            raise InputError(
+                f"CompactStorage: a write of {n} rows at {slots.shape[0]} slots. Write rows "
+                "through the replay buffer (rb.extend / rb.add). Nothing was written."
+            )
+        keys = self._obs_keys if self._obs_keys is not None else self._find_keys(rows)
+        nkeys = self._next_keys(rows, keys)
+        if n > self.max_size:  # only the last max_size rows stay (as TorchRL stores them)
+            rows = rows[-self.max_size :]
+            slots, sid = slots[-self.max_size :], sid[-self.max_size :]
+            cursor = torch.from_numpy(slots)
+        if self._in_order_write(cursor, rows, one, slots, sid, keys, nkeys, set_cursor):
+            return
+        first = self._link is None
+        link = np.full(self.max_size, -1, dtype=np.int32) if first else self._link_host.numpy()
+        plan = plan_links(
+            sid, slots, link, self._pend_stream, self._pend_slot, self._next_slot, set_cursor
+        )
+        ordered, a, b, adjacent, l_pos, l_sid, j_row, j_pos, j_entry, freed = plan
+        # Rows linking into the slots written other than by ring order (a gap, write_at):
+        # their next observations move to the side table (read before the write).
+        detach = None
+        if not first and not ordered:
+            rows_in = rows_linking_into(link, slots)
+            if rows_in.shape[0]:
+                at = self._to_device(link[rows_in].astype(np.int64))
+                detach = (rows_in, [self._storage.get(k)[at] for k in keys])
+        # CPU rows: numpy views of (obs, next obs) per key, compared and copied in kernels
+        words = None
+        if self._host_compare:
+            words = [
+                (host_words(rows.get(k)), host_words(rows.get(nk))) for k, nk in zip(keys, nkeys)
+            ]
+        eq, ok = self._compare(rows, keys, nkeys, words, a, b, adjacent, j_pos, j_entry)
+        stored = rows.exclude(STREAM_KEY, *nkeys)
+        super().set(cursor, stored[0] if one else stored, set_cursor=set_cursor)
+        if first:
+            self._first_layout(keys, nkeys, rows, link, self.device)
+        if detach is not None:
+            self._detach(detach, nkeys, link)
+        self._reserve(
+            a.shape[0] - np.count_nonzero(eq) + l_pos.shape[0], freed + np.count_nonzero(ok)
+        )
+        self._n_free, side_pos, side_entry, self._pend_stream, self._pend_slot = commit_links(
+            link, slots, a, b, eq, j_row, j_pos, ok, l_pos, l_sid, self._pend_stream,
+            self._pend_slot, self._free, self._n_free,
+        )  # fmt: skip
+        if side_pos.shape[0]:
+            self._write_side(rows, nkeys, words, side_pos, side_entry)
+        if self._link_host is not self._link:  # the links changed: to the device copy
+            touched = [slots, j_row[ok]] + ([] if detach is None else [detach[0]])
+            self._push_links(touched)
+        if n:
+            self._next_slot = (int(slots[-1]) + 1) % self.max_size
+
+    @staticmethod
+    def _stream_ids(rows: TensorDictBase, n: int) -> np.ndarray:
+        """Each row's stream (the filter's column; none: one stream), on the host."""
+        sid = rows.get(STREAM_KEY, None)
+        if sid is None:
+            return np.full(n, -1, dtype=np.int64)
+        return sid.reshape(-1).to(device="cpu", dtype=torch.int64).numpy()  # (small)
+
+    def _in_order_write(self, cursor, rows, one, slots, sid, keys, nkeys, set_cursor) -> bool:
+        """The common write in one kernel call: CPU rows, one key, continuing the ring.
+
+        Returns whether it wrote (else :meth:`set` takes the general path).
+        """
+        if not (
+            len(keys) == 1
+            and self._link is not None
+            and self._host_compare
+            and set_cursor
+            and slots.shape[0]
+            and continues_ring(slots, self._next_slot, self.max_size)
+        ):
+            return False
+        obs, nxt = host_words(rows.get(keys[0])), host_words(rows.get(nkeys[0]))
+        stored = rows.exclude(STREAM_KEY, *nkeys)
+        super().set(cursor, stored[0] if one else stored, set_cursor=set_cursor)
+        link = self._link_host.numpy()
+        while True:
+            need, n_free, pend_stream, pend_slot = write_links(
+                sid, slots, link, self._pend_stream, self._pend_slot, self._free, self._n_free,
+                obs, nxt, self._side_words(nkeys[0]),
+            )  # fmt: skip
+            if not need:
+                break
+            self._reserve(need, n_free)  # (nothing was changed: grow, then again)
+        self._n_free, self._pend_stream, self._pend_slot = n_free, pend_stream, pend_slot
+        self._next_slot = (int(slots[-1]) + 1) % self.max_size
+        return True
+
+    def _write_side(self, rows, nkeys, words, side_pos, side_entry) -> None:
+        """The next observations of the rows at ``side_pos`` into side entries ``side_entry``."""
+        if words is not None:
+            for nk, (_, nxt) in zip(nkeys, words):
+                copy_rows(self._side_words(nk), side_entry, nxt, side_pos)
+            return
+        at, pos = self._to_device(side_entry), self._to_device(side_pos)
+        for nk in nkeys:
+            self._side.get(nk)[at] = rows.get(nk)[pos]
+
+    def _side_words(self, nk: tuple) -> np.ndarray:
+        """A writable numpy view of the side table's ``nk`` rows (CPU)."""
+        side = self._side.get(nk)
+        assert side.is_contiguous()  # (allocated here: a view, never a copy)
+        return host_words(side)
+
+    def _detach(self, detach: tuple, nkeys: list[tuple], link: np.ndarray) -> None:
+        """The next observations of rows linking into the slots written, to the side table."""
+        rows_in, values = detach
+        entries = self._alloc(rows_in.shape[0])
+        at = self._to_device(entries)
+        for nk, v in zip(nkeys, values):
+            self._side.get(nk)[at] = v
+        link[rows_in] = -2 - entries
+
+    def _push_links(self, touched: list[np.ndarray]) -> None:
+        """The links of the slots ``touched`` from the host copy to the device copy."""
+        idx = torch.from_numpy(np.concatenate(touched))
+        self._link[idx.to(self._link.device)] = self._link_host[idx].to(self._link.device)
+
+    def _rows_to_write(self, cursor: Any, data: Any) -> tuple[bool, TensorDictBase]:
+        """(whether ``data`` is one row at an int cursor, the rows as ``[n]`` on the device)."""
         if not isinstance(data, TensorDictBase):
             raise InputError(
                 f"CompactStorage stores TensorDict rows; got {type(data).__name__}. Use "
@@ -339,173 +571,93 @@ class CompactStorage(LazyTensorStorage):
         if not self._checked_writer:
             self._check_writer()
         one = isinstance(cursor, int) or (isinstance(cursor, torch.Tensor) and cursor.ndim == 0)
-        rows = data.unsqueeze(0) if one and data.batch_dims == 0 else data
+        one = one and data.batch_dims == 0
+        rows = data.unsqueeze(0) if one else data
         if self.device == "auto":
             self.device = rows.device if rows.device is not None else torch.device("cpu")
-        device = self.device
-        if rows.device != device:
-            rows = rows.to(device)
-        sid = rows.get(STREAM_KEY, None)
-        if sid is not None:
-            rows = rows.exclude(STREAM_KEY)
-            sid = sid.reshape(-1).to(device=device, dtype=torch.int64)
-        n = rows.batch_size[0]
-        slots = self._slots_written(cursor, n, device)
-        if sid is None:
-            sid = torch.full((n,), -1, dtype=torch.int64, device=device)
-        if slots.numel() != n:
-            raise InputError(
-                f"CompactStorage: a write of {n} rows at {slots.numel()} slots. Write rows "
-                "through the replay buffer (rb.extend / rb.add). Nothing was written."
-            )
-        keys = self._obs_keys if self._obs_keys is not None else self._find_keys(rows)
+        if rows.device != self.device:
+            rows = rows.to(self.device)
+        return one, rows
+
+    @staticmethod
+    def _next_keys(rows: TensorDictBase, keys: list[tuple]) -> list[tuple]:
         nkeys = [(NEXT, *k) for k in keys]
-        for k in keys:
-            if (NEXT, *k) not in rows.keys(True, True):
+        for k, nk in zip(keys, nkeys):
+            if not isinstance(rows.get(nk, None), torch.Tensor):
                 raise InputError(
-                    f"CompactStorage: the rows written have {k} but not {(NEXT, *k)}; every "
+                    f"CompactStorage: the rows written have {k} but not {nk}; every "
                     "write needs both (AutoresetFilter writes both; with "
                     "Collector(compact_obs=True) keep the filter's compact=False). Nothing "
                     "was written."
                 )
-        if n > self.max_size:  # only the last max_size rows stay (as TorchRL stores them)
-            rows, slots, sid = (
-                rows[-self.max_size :],
-                slots[-self.max_size :],
-                sid[-self.max_size :],
-            )
-            cursor = slots
-        plan = self._plan(rows, slots, sid, keys, nkeys, set_cursor)
-        stored = rows.exclude(*nkeys)
-        super().set(
-            cursor, stored[0] if one and data.batch_dims == 0 else stored, set_cursor=set_cursor
+        return nkeys
+
+    def _first_layout(self, keys, nkeys, rows, link: np.ndarray, device) -> None:
+        """The keys, the links (``link``: their host copy) and an empty side table."""
+        self._obs_keys = keys
+        link_t = torch.from_numpy(link)  # the host copy the kernels write
+        self._link_host = link_t
+        self._link = link_t if torch.device(device).type == "cpu" else link_t.to(device)
+        self._side = TensorDict(
+            {
+                nk: torch.empty(
+                    (0, *rows.get(nk).shape[1:]), dtype=rows.get(nk).dtype, device=device
+                )
+                for nk in nkeys
+            },
+            batch_size=[0],
+            device=device,
         )
-        if self._obs_keys is None:
-            self._obs_keys = keys
-            self._link = torch.full((self.max_size,), -1, dtype=torch.int32, device=device)
-            self._side = TensorDict(
-                {
-                    nk: torch.empty(
-                        (0, *rows.get(nk).shape[1:]), dtype=rows.get(nk).dtype, device=device
-                    )
-                    for nk in nkeys
-                },
-                batch_size=[0],
-                device=device,
-            )
-            self._free = torch.zeros(0, dtype=torch.int64, device=device)
-            self._pend_stream = self._pend_stream.to(device)
-            self._pend_slot = self._pend_slot.to(device)
-        self._commit(plan, rows, slots, nkeys)
+        self._free = np.zeros(0, dtype=np.int64)
+        self._n_free = 0
 
-    def _slots_written(self, cursor: Any, n: int, device: torch.device) -> torch.Tensor:
-        if isinstance(cursor, slice):
-            return torch.arange(self.max_size, device=device)[cursor]
-        if isinstance(cursor, range):
-            return torch.as_tensor(list(cursor), dtype=torch.int64, device=device)
-        return torch.as_tensor(cursor, device=device).reshape(-1).to(torch.int64)
-
-    def _plan(self, rows, slots, sid, keys, nkeys, in_order: bool) -> dict:
-        """Everything a write changes, computed before anything is written."""
-        n = slots.numel()
-        device = slots.device
-        plan: dict = {}
-        # Rows linking into the slots written, other than by ring order (a gap, write_at):
-        # their next observations move to the side table first.
-        expected = (self._next_slot + torch.arange(n, device=device)) % self.max_size
-        ordered = in_order and bool((slots == expected).all()) if n else True
-        if self._link is not None and not ordered:
-            link = self._link.long()
-            into = (link >= 0) & torch.isin(link, slots)
-            into[slots] = False
-            rows_in = into.nonzero().flatten()
-            plan["detach"] = (
-                rows_in,
-                {nk: self._storage.get(k)[link[rows_in]] for k, nk in zip(keys, nkeys)},
-            )
-        # Within the write: each row with the next row of its stream.
-        order = torch.argsort(sid, stable=True)
-        s_sorted = sid[order]
-        same = s_sorted[1:] == s_sorted[:-1]
-        a = order[:-1][same]
-        b = order[1:][same]
-        eq = torch.ones(a.numel(), dtype=torch.bool, device=device)
-        if a.numel():
-            if bool(((b - a) == 1).all()):  # in row order: compare views, no gather
+    def _compare(self, rows, keys, nkeys, words, a, b, adjacent, j_pos, j_entry):
+        """Per pair, and per pending row to join, whether the bytes match (host bools)."""
+        if words is not None:  # CPU rows: compared in place, a kernel call per key
+            eq = np.ones(a.shape[0], np.bool_)
+            ok = np.ones(j_pos.shape[0], np.bool_)
+            for nk, (obs, nxt) in zip(nkeys, words):
+                if a.shape[0]:
+                    rows_match(nxt, obs, a, b, eq)
+                if j_pos.shape[0]:
+                    rows_match(self._side_words(nk), obs, j_entry, j_pos, ok)
+            return eq, ok
+        same = joined = None
+        if a.shape[0]:
+            if adjacent:  # in row order: compare views, no gather
                 for k, nk in zip(keys, nkeys):
-                    adj = rows_equal(rows.get(nk)[:-1], rows.get(k)[1:])
-                    eq &= adj[a]
+                    x = rows_equal(rows.get(nk)[:-1], rows.get(k)[1:])
+                    same = x if same is None else same & x
             else:
+                at, bt = self._to_device(a), self._to_device(b)
                 for k, nk in zip(keys, nkeys):
-                    eq &= rows_equal(rows.get(nk)[a], rows.get(k)[b])
-        plan["links"] = (a[eq], b[eq])
-        # The first row of each stream continues that stream's newest row of an earlier write.
-        first = torch.ones(n, dtype=torch.bool, device=device)
-        first[1:] = ~same
-        last = torch.ones(n, dtype=torch.bool, device=device)
-        last[:-1] = ~same
-        f_pos, f_sid = order[first], s_sorted[first]
-        l_pos, l_sid = order[last], s_sorted[last]
-        joined = (torch.zeros(0, dtype=torch.int64, device=device),) * 2
-        if self._pend_stream.numel() and self._link is not None:
-            where = torch.searchsorted(self._pend_stream, f_sid).clamp_max(
-                self._pend_stream.numel() - 1
-            )
-            hit = self._pend_stream[where] == f_sid
-            r = self._pend_slot[where[hit]]
-            s_pos = f_pos[hit]
-            # a pending row overwritten by this write is gone
-            alive = ~torch.isin(r, slots) & (self._link[r] <= -2)
-            r, s_pos = r[alive], s_pos[alive]
-            ok = torch.ones(r.numel(), dtype=torch.bool, device=device)
-            entries = -2 - self._link[r].long()
+                    x = rows_equal(rows.get(nk)[at], rows.get(k)[bt])
+                    same = x if same is None else same & x
+        if j_pos.shape[0]:
+            at, pos = self._to_device(j_entry), self._to_device(j_pos)
             for k, nk in zip(keys, nkeys):
-                ok &= rows_equal(self._side.get(nk)[entries], rows.get(k)[s_pos])
-            joined = (r[ok], s_pos[ok])
-        plan["joined"] = joined
-        # Side entries: unverified pairs and each stream's newest row.
-        plan["side"] = torch.cat([a[~eq], l_pos])
-        keep = None
-        if self._pend_stream.numel():
-            keep = ~torch.isin(self._pend_stream, l_sid) & ~torch.isin(self._pend_slot, slots)
-        plan["pending"] = (keep, l_sid, l_pos)
-        return plan
+                x = rows_equal(self._side.get(nk)[at], rows.get(k)[pos])
+                joined = x if joined is None else joined & x
+        empty = torch.zeros(0, dtype=torch.bool)
+        same = empty if same is None else same
+        joined = empty if joined is None else joined
+        both = torch.cat([same.cpu(), joined.cpu()]).numpy()  # (one transfer each)
+        eq, ok = both[: same.shape[0]], both[same.shape[0] :]
+        if adjacent and a.shape[0]:
+            eq = eq[a]
+        return np.ascontiguousarray(eq), np.ascontiguousarray(ok)
 
-    def _commit(self, plan: dict, rows, slots, nkeys) -> None:
-        """Applies a write's plan (after the rows were stored)."""
-        link = self._link
-        detach = plan.get("detach")
-        if detach is not None:
-            rows_in, values = detach
-            if rows_in.numel():
-                entries = self._alloc(rows_in.numel())
-                for nk, v in values.items():
-                    self._side.get(nk)[entries] = v
-                link[rows_in] = (-2 - entries).to(torch.int32)
-        # The slots written: their old side entries are freed.
-        old = link[slots].long()
-        self._release(-2 - old[old <= -2])
-        link[slots] = -1
-        r, s_pos = plan["joined"]
-        if r.numel():
-            self._release(-2 - link[r].long())
-            link[r] = slots[s_pos].to(torch.int32)
-        a, b = plan["links"]
-        link[slots[a]] = slots[b].to(torch.int32)
-        side = plan["side"]
-        if side.numel():
-            entries = self._alloc(side.numel())
-            for nk in nkeys:
-                self._side.get(nk)[entries] = rows.get(nk)[side]
-            link[slots[side]] = (-2 - entries).to(torch.int32)
-        keep, l_sid, l_pos = plan["pending"]
-        stream = l_sid if keep is None else torch.cat([self._pend_stream[keep], l_sid])
-        slot = slots[l_pos] if keep is None else torch.cat([self._pend_slot[keep], slots[l_pos]])
-        order = torch.argsort(stream)
-        self._pend_stream, self._pend_slot = stream[order], slot[order]
-        if slots.numel():
-            self._next_slot = int(slots[-1]) + 1 if slots.numel() else self._next_slot
-            self._next_slot %= self.max_size
+    def _slots_written(self, cursor: Any) -> np.ndarray:
+        if isinstance(cursor, slice):
+            r = range(self.max_size)[cursor]
+            return np.arange(r.start, r.stop, r.step, dtype=np.int64)
+        if isinstance(cursor, range):
+            return np.arange(cursor.start, cursor.stop, cursor.step, dtype=np.int64)
+        if isinstance(cursor, torch.Tensor):
+            if cursor.dtype == torch.int64 and cursor.device.type == "cpu" and cursor.ndim == 1:
+                return cursor.numpy()  # (the writer's own index: read, never written)
+            return cursor.reshape(-1).to(device="cpu", dtype=torch.int64).numpy()
+        return np.asarray(cursor, dtype=np.int64).reshape(-1)
 
     # ----------------------------------------------------------- read
     def get(self, index: Any) -> Any:
@@ -514,6 +666,15 @@ class CompactStorage(LazyTensorStorage):
         if self._obs_keys is None:
             return out
         slots = self._slots_read(index)
+        if self._host_compare:  # CPU: one kernel pass per key
+            flat = slots.reshape(-1).numpy()
+            link = self._link_host.numpy()
+            for k in self._obs_keys:
+                rows, side = self._storage.get(k), self._side.get((NEXT, *k))
+                value = torch.empty((flat.shape[0], *rows.shape[1:]), dtype=rows.dtype)
+                gather_next(link, flat, host_words(rows), host_words(side), host_words(value))
+                out.set((NEXT, *k), value.reshape(*slots.shape, *value.shape[1:]))
+            return out
         link = self._link[slots.reshape(-1)].long()
         side_rows = (link < 0).nonzero().flatten()
         entries = -2 - link[side_rows]
@@ -544,13 +705,12 @@ class CompactStorage(LazyTensorStorage):
         self._reset_links()
         self._checked_writer = checked
         if link is not None:  # the layout stays; every side entry is free again
-            self._obs_keys, self._link = keys, link.fill_(-1)
+            self._obs_keys = keys
+            self._set_link(link.fill_(-1))
             self._side = side
             cap = side.batch_size[0]
-            self._free = torch.arange(cap - 1, -1, -1, device=link.device)
+            self._free = np.arange(cap - 1, -1, -1, dtype=np.int64)
             self._n_free = cap
-            self._pend_stream = self._pend_stream.to(link.device)
-            self._pend_slot = self._pend_slot.to(link.device)
 
     def _compact_state(self) -> dict:
         return {
@@ -563,11 +723,16 @@ class CompactStorage(LazyTensorStorage):
             if self._side is None
             else [self._side.get((NEXT, *k)) for k in self._obs_keys],
             "side_capacity": 0 if self._side is None else self._side.batch_size[0],
-            "free": self._free[: self._n_free].clone(),
-            "pend_stream": self._pend_stream,
-            "pend_slot": self._pend_slot,
+            # the host index arrays, as tensors on the storage's device
+            "free": self._state_tensor(self._free[: self._n_free]),
+            "pend_stream": self._state_tensor(self._pend_stream),
+            "pend_slot": self._state_tensor(self._pend_slot),
             "next_slot": self._next_slot,
         }
+
+    def _state_tensor(self, x: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(x.copy())
+        return t if self._link is None else t.to(self._link.device)
 
     def state_dict(self) -> dict[str, Any]:
         """TorchRL's storage state, with the links and the side table under ``"compact"``."""
@@ -596,19 +761,19 @@ class CompactStorage(LazyTensorStorage):
             self._checked_writer = checked
             return
         self._obs_keys = [tuple(k) for k in keys]
-        self._link = compact["link"].to(device).clone()
+        self._set_link(compact["link"].to(device).clone())
         cap = compact["side_capacity"]
         self._side = TensorDict(
             {(NEXT, *k): t.to(device).clone() for k, t in zip(self._obs_keys, compact["side"])},
             batch_size=[cap],
             device=device,
         )
-        free = compact["free"].to(device)
-        self._free = torch.empty(cap, dtype=torch.int64, device=device)
-        self._free[: free.numel()] = free
-        self._n_free = free.numel()
-        self._pend_stream = compact["pend_stream"].to(device).clone()
-        self._pend_slot = compact["pend_slot"].to(device).clone()
+        free = compact["free"].to(device="cpu", dtype=torch.int64).numpy()
+        self._free = np.empty(cap, dtype=np.int64)
+        self._free[: free.shape[0]] = free
+        self._n_free = free.shape[0]
+        self._pend_stream = compact["pend_stream"].to("cpu", torch.int64).numpy().copy()
+        self._pend_slot = compact["pend_slot"].to("cpu", torch.int64).numpy().copy()
         self._next_slot = int(compact["next_slot"])
 
     def dumps(self, path: Any) -> None:

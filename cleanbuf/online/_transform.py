@@ -20,7 +20,12 @@ from cleanbuf.engine._errors import (
 from cleanbuf.engine._options import Options, keyword_names, options_in, refuse_unknown
 from cleanbuf.online import _at_exit, _publish, _writes
 from cleanbuf.online._base import OnlineCleaner
-from cleanbuf.online._compact import STREAM_KEY, is_compact, with_stream_index
+from cleanbuf.online._compact import (
+    STREAM_KEY,
+    check_compact_load,
+    is_compact,
+    with_stream_index,
+)
 from cleanbuf.online._compat import calling_replay_buffer
 from cleanbuf.online._copies import CopyStates
 from cleanbuf.online._first_write import check_late_attachment, check_orientation
@@ -402,12 +407,12 @@ class AutoresetFilter(OnlineCleaner, Transform):
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
         if self._bypass:
             return tensordict
-        out = self._clean(tensordict)
+        out = self._clean(tensordict, owned=True)  # (inv made the shallow copy)
         # ReplayBuffer.extend / add store nothing for None (their writers
         # reject an empty batch).
         return out if out.batch_size[0] else None
 
-    def _clean(self, tensordict: TensorDictBase) -> TensorDictBase:
+    def _clean(self, tensordict: TensorDictBase, *, owned: bool = False) -> TensorDictBase:
         """One call of the cleaner on ``tensordict``: the flat rows it leaves."""
         if self.parent is not None:
             raise RuntimeError(
@@ -440,7 +445,9 @@ class AutoresetFilter(OnlineCleaner, Transform):
         marks = self.__dict__["_marks"] if self._tracks_writes() else None
         lost = self._engine.count("terminal_obs_missing")
         if self._stream_index:  # which stored row follows which, for the compact storage
-            tensordict = with_stream_index(tensordict, self.options.layout, self.options.stream_key)
+            tensordict = with_stream_index(
+                tensordict, self.options.layout, self.options.stream_key, owned=owned
+            )
         try:
             out = self._engine(tensordict)
         except CleanbufError as err:
@@ -519,6 +526,8 @@ class AutoresetFilter(OnlineCleaner, Transform):
     def get_extra_state(self) -> dict:
         self._settle_write()
         state = self._engine.state_dict()
+        if self._stream_index or self.__dict__.get("_fed_compact"):
+            state["compact_storage"] = True  # its buffer's rows hold no next observations
         if self._copies is not None:  # every other copy's state too
             self._publish()
             state["copies"] = self._copies.others()
@@ -536,6 +545,9 @@ class AutoresetFilter(OnlineCleaner, Transform):
                 "AutoresetFilter loads only what AutoresetFilter.state_dict() returned. "
                 "Nothing was changed."
             )
+        if state.get("compact_storage"):
+            check_compact_load(calling_replay_buffer(max_frames=24))
+            self.__dict__["_fed_compact"] = True
         others = state.get("copies", [])
         _publish.check_states(others, self.options)
         self._engine.load_state_dict(state)
