@@ -5,7 +5,8 @@ format-faithful envs of tests/simulators.py (their keys, shapes and dtypes
 read from each simulator's source); the observations are wrapped so that
 any copy to the host raises while step_rows reads them, which is the path
 rows on a GPU take (step_rows has one path for torch tensors, on every
-device). mjlab itself, where it installs, runs in test_real_mjlab.
+device). mjlab itself, where it installs, runs in
+test_real_mjlab_equals_explicit_resets (a venv of its own: see its docstring).
 """
 
 from __future__ import annotations
@@ -271,61 +272,113 @@ def test_lossless_mjlab_env_equals_explicit_resets():
         cleanbuf.LosslessMjlabEnv(env)
 
 
-@pytest.mark.slow
-def test_real_mjlab_lossless_equals_explicit_resets():
-    """The real mjlab (skipped where it is not installed: mjlab 1.6.0 needs
-    mujoco 3.11 and a newer torch than the pinned set), Mjlab-Cartpole-Balance
-    with 64 envs on the CPU, through LosslessMjlabEnv and the filter, against
-    the explicit-reset loop of the same seed. Bugs caught: the wrapper
-    reading the observations after mjlab's reset, mjlab's groups (actor,
-    critic) not restored together.
+def _real_mjlab(auto_reset: bool, n: int):
+    """The real Mjlab-Cartpole-Balance, n envs on the CPU (Warp's CPU device).
+
+    Episodes of 2 s (40 steps; its own are 50 s, longer than a test) and
+    no observation noise, so that two runs of the same seed and actions
+    give the same rows.
     """
-    pytest.importorskip("mjlab")
-    import mjlab.tasks  # noqa: F401
+    import mjlab.tasks  # noqa: F401  (registers the tasks)
     from mjlab.envs import ManagerBasedRlEnv
     from mjlab.tasks.registry import load_env_cfg
 
-    steps, n = 300, 64
+    cfg = load_env_cfg("Mjlab-Cartpole-Balance")
+    cfg.scene.num_envs = n
+    cfg.episode_length_s = 2.0
+    cfg.observations["actor"].enable_corruption = False
+    cfg.auto_reset = auto_reset
+    return ManagerBasedRlEnv(cfg=cfg, device="cpu")
 
-    def make():
-        cfg = load_env_cfg("Mjlab-Cartpole-Balance")
-        cfg.scene.num_envs = n
-        cfg.auto_reset = False
-        return ManagerBasedRlEnv(cfg=cfg, device="cpu")
 
-    def act(obs):
-        return torch.tanh(obs["actor"][:, :1])
-
+def _real_mjlab_truth(steps: int, n: int, act) -> list:
+    """The explicit-reset loop: auto_reset=False, done envs reset after each step."""
     torch.manual_seed(0)
-    env = make()
+    env = _real_mjlab(False, n)
     truth, (obs, _) = [], env.reset(seed=0)
-    for _ in range(steps):
-        action = act(obs)
+    obs = {k: v.clone() for k, v in obs.items()}
+    for t in range(steps):
+        action = act(obs, t)
         next_obs, reward, terminated, truncated, _ = env.step(action)
+        next_obs = {k: v.clone() for k, v in next_obs.items()}
         truth.append((obs, next_obs, terminated | truncated))
         obs = next_obs
         done = terminated | truncated
         if bool(done.any()):
             obs, _ = env.reset(env_ids=done.nonzero().squeeze(-1))
+            obs = {k: v.clone() for k, v in obs.items()}
     env.close()
+    return truth
+
+
+def _mjlab_act(obs, t):
+    """Deterministic actions that vary by env and step."""
+    n = obs["actor"].shape[0]
+    return torch.sin(torch.arange(n, dtype=torch.float32)[:, None] * 0.7 + t * 0.3)
+
+
+@pytest.mark.slow
+def test_real_mjlab_equals_explicit_resets():
+    """The real mjlab against the explicit-reset loop of the same seed and actions.
+
+    Skipped where mjlab is not installed: mjlab 1.6.0 needs mujoco 3.11,
+    not the pinned 4.0, and PyPI's torchvision, which does not load beside
+    the CPU torch; run it in a venv of its own with ``pip install
+    mjlab==1.6.0 -c <(echo torch==2.13.0)``. Mjlab-Cartpole-Balance with
+    64 envs on the CPU:
+
+    - ``auto_reset=False`` through ``LosslessMjlabEnv`` and the filter:
+      every row equal, every terminal observation kept. Bugs caught: the
+      wrapper reading the observations after mjlab's reset, mjlab's groups
+      (actor, critic) not restored together, a done row dropped.
+    - mjlab's own auto-reset (1.6.0 has no terminal extras): each done
+      row's terminal observation is lost, counted, and dropped under
+      ``on_lost_terminal_obs="drop"``; every other row equal. Bugs caught:
+      the post-reset observation stored as a done row's next observation,
+      a loss not counted.
+    """
+    pytest.importorskip("mjlab")
+    steps, n = 100, 64
+    truth = _real_mjlab_truth(steps, n, _mjlab_act)
+    ends = torch.cat([d for _, _, d in truth])
+    assert int(ends.sum()) >= n  # every env ended at least one episode
+
     torch.manual_seed(0)
-    env = cleanbuf.LosslessMjlabEnv(make())
+    env = cleanbuf.LosslessMjlabEnv(_real_mjlab(False, n))
     filt, rb = buffer(steps * n)
     obs, _ = env.reset(seed=0)
-    for _ in range(steps):
-        action = act(obs)
+    for t in range(steps):
+        action = _mjlab_act(obs, t)
         step = env.step(action)
         rb.extend(step_rows(obs, action, *step, producer="mjlab"))
-        obs = step[0]
+        obs = {k: v.clone() for k, v in step[0].items()}
     env.close()
     stored = rb[:]
-    ends = torch.cat([d for _, _, d in truth])
-    assert int(ends.sum()) > 0
+    assert len(stored) == steps * n and filt.stats["terminal_obs_missing"] == 0
     for group in ("actor", "critic"):
-        want = torch.cat([nxt[group] for _, nxt, _ in truth])
+        for key, at in (("observation", 0), (("next", "observation"), 1)):
+            want = torch.cat([row[at][group] for row in truth])
+            name = (key, group) if isinstance(key, str) else (*key, group)
+            torch.testing.assert_close(stored[name], want, rtol=0, atol=0)
+
+    torch.manual_seed(0)
+    env = _real_mjlab(True, n)
+    filt, rb = buffer(steps * n, on_lost_terminal_obs="drop")
+    obs, _ = env.reset(seed=0)
+    obs = {k: v.clone() for k, v in obs.items()}
+    for t in range(steps):
+        action = _mjlab_act(obs, t)
+        step = env.step(action)
+        rb.extend(step_rows(obs, action, *step, producer="mjlab"))
+        obs = {k: v.clone() for k, v in step[0].items()}
+    env.close()
+    stored = rb[:]
+    assert filt.stats["terminal_obs_missing"] == int(ends.sum())
+    assert len(stored) == steps * n - int(ends.sum())
+    keep = ~ends
+    for group in ("actor", "critic"):
+        want = torch.cat([nxt[group] for _, nxt, _ in truth])[keep]
         torch.testing.assert_close(stored["next", "observation", group], want, rtol=0, atol=0)
-        want = torch.cat([o[group] for o, _, _ in truth])
-        torch.testing.assert_close(stored["observation", group], want, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -34,10 +34,7 @@ BATCH_STEPS = 64  # steps per [E, T] batch of the TorchRL producers (a collector
 PRODUCERS = {
     "gym-next-step": ("Gymnasium vector env, next-step (its default)", "gymnasium"),
     "gym-same-step": ("the same, same-step", "gymnasium"),
-    "torchrl-gymenv": (
-        "TorchRL GymEnv(name, num_envs=N) (sub-envs run here, not spawned: the same rows)",
-        "torchrl",
-    ),
+    "torchrl-gymenv": ("TorchRL GymEnv(name, num_envs=N), its sub-envs in this process", "torchrl"),
     "torchrl-serial": ("TorchRL SerialEnv of single GymEnvs", "torchrl"),
     "torchrl-parallel": ("TorchRL ParallelEnv of single GymEnvs", "torchrl"),
     "torchrl-autoreset": (
