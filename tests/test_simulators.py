@@ -317,6 +317,20 @@ def _mjlab_act(obs, t):
     return torch.sin(torch.arange(n, dtype=torch.float32)[:, None] * 0.7 + t * 0.3)
 
 
+def _through_the_filter(env, steps: int, **options) -> tuple:
+    """An mjlab env's loop (its seed 0, :func:`_mjlab_act`) through step_rows and the filter."""
+    filt, rb = buffer(steps * env.num_envs, **options)
+    obs, _ = env.reset(seed=0)
+    obs = {k: v.clone() for k, v in obs.items()}
+    for t in range(steps):
+        action = _mjlab_act(obs, t)
+        step = env.step(action)
+        rb.extend(step_rows(obs, action, *step, producer="mjlab"))
+        obs = {k: v.clone() for k, v in step[0].items()}
+    env.close()
+    return filt, rb[:]
+
+
 @pytest.mark.slow
 def test_real_mjlab_equals_explicit_resets():
     """The real mjlab against the explicit-reset loop of the same seed and actions.
@@ -344,16 +358,7 @@ def test_real_mjlab_equals_explicit_resets():
     assert int(ends.sum()) >= n  # every env ended at least one episode
 
     torch.manual_seed(0)
-    env = cleanbuf.LosslessMjlabEnv(_real_mjlab(False, n))
-    filt, rb = buffer(steps * n)
-    obs, _ = env.reset(seed=0)
-    for t in range(steps):
-        action = _mjlab_act(obs, t)
-        step = env.step(action)
-        rb.extend(step_rows(obs, action, *step, producer="mjlab"))
-        obs = {k: v.clone() for k, v in step[0].items()}
-    env.close()
-    stored = rb[:]
+    filt, stored = _through_the_filter(cleanbuf.LosslessMjlabEnv(_real_mjlab(False, n)), steps)
     assert len(stored) == steps * n and filt.stats["terminal_obs_missing"] == 0
     for group in ("actor", "critic"):
         for key, at in (("observation", 0), (("next", "observation"), 1)):
@@ -362,17 +367,7 @@ def test_real_mjlab_equals_explicit_resets():
             torch.testing.assert_close(stored[name], want, rtol=0, atol=0)
 
     torch.manual_seed(0)
-    env = _real_mjlab(True, n)
-    filt, rb = buffer(steps * n, on_lost_terminal_obs="drop")
-    obs, _ = env.reset(seed=0)
-    obs = {k: v.clone() for k, v in obs.items()}
-    for t in range(steps):
-        action = _mjlab_act(obs, t)
-        step = env.step(action)
-        rb.extend(step_rows(obs, action, *step, producer="mjlab"))
-        obs = {k: v.clone() for k, v in step[0].items()}
-    env.close()
-    stored = rb[:]
+    filt, stored = _through_the_filter(_real_mjlab(True, n), steps, on_lost_terminal_obs="drop")
     assert filt.stats["terminal_obs_missing"] == int(ends.sum())
     assert len(stored) == steps * n - int(ends.sum())
     keep = ~ends
