@@ -625,7 +625,7 @@ def test_torchrl_auto_reset_on_integer_observations_is_not_run(capsys):
     )
     assert report.status == 0 and [p.producer for p in report.producers] == ["torchrl-serial"]
     assert "not floating point" in report.not_run["torchrl-autoreset"]
-    assert "torchrl-autoreset: not run: its observations (int64)" in str(report)
+    assert "torchrl-autoreset: not compared: its observations (int64)" in str(report)
     args = ["check", "tests.check_envs:make_grid_walk", "--producer", "torchrl-autoreset"]
     assert main([*args, "--no-progress"]) == 2
     assert "no producer to run: torchrl-autoreset" in capsys.readouterr().err

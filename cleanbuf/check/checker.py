@@ -426,14 +426,15 @@ def _run_all(source, names, not_run, settings, acts, ends, cleaning, progress, s
 def _refused(err: TerminalObservationLostError) -> str:
     """Why a producer whose rows ``AutoresetFilter.for_env`` refuses was not compared."""
     lost = re.match(r"(\d+) next observation", str(err))
-    first = f" ({lost[1]} in the first batch that lost any)" if lost else ""
+    count = f"{lost[1]} done row(s)" if lost else "done rows"
     return (
-        f"it loses terminal observations{first} and its observations are not floating "
-        "point, so NaN cannot mark them: AutoresetFilter.for_env(env) refuses such rows "
-        "until told what to do. "
-        "A filter for this producer needs on_lost_terminal_obs='drop' (store no such row) "
-        "or 'keep' (store them as the producer left them); to compare such a filter, pass "
-        "it as --clean module:function"
+        f"it ran, but {count} lack their terminal observation and no later row "
+        "gives it back (a joint reset, or an episode that ended on the run's last step), and "
+        "its observations are not floating point, so NaN cannot mark them: "
+        "AutoresetFilter.for_env(env) refuses such rows, at a call or at flush, until "
+        "on_lost_terminal_obs is chosen. A filter for this producer needs "
+        "on_lost_terminal_obs='drop' (store no such row) or 'keep' (store them as the "
+        "producer left them)"
     )
 
 

@@ -569,7 +569,7 @@ def _render(report: CheckReport) -> list[str]:
     named = "; ".join(f"{p.producer}: {p.description}" for p in report.producers)
     lines += ["", f"{named}."]
     for name, why in report.not_run.items():
-        lines.append(f"{name}: not run: {why}")
+        lines.append(f"{name}: not compared: {why}")
     lines.append("")
     lines += _advice(report)
     return _wrap([*lines, "", *_verdict(report)])

@@ -143,11 +143,11 @@ def check_compact_load(rb: Any) -> None:
 
     ``rb.dumps`` / ``rb.state_dict`` of a buffer over a
     :class:`CompactStorage` save its rows without ``("next", obs)``;
-    TorchRL's ``LazyTensorStorage`` loads them without complaint, and only
-    sampling them fails (a bare ``KeyError`` for the observation under
-    ``"next"``). The filter's state says that its buffer was compact, and
-    TorchRL loads the filter after the storage, so the filter names the
-    mistake here. ``rb`` None (a filter loaded on its own): nothing to check.
+    TorchRL's ``LazyTensorStorage`` loads them as they are, and reading
+    ``("next", obs)`` of a sample fails (a bare ``KeyError``). The
+    filter's state says that its buffer was compact, and TorchRL loads the
+    filter after the storage, so the filter names the mistake here. ``rb``
+    None (a filter loaded on its own): nothing to check.
     """
     if rb is None or is_compact(getattr(rb, "storage", None)):
         return
@@ -156,10 +156,11 @@ def check_compact_load(rb: Any) -> None:
         f"a cleanbuf.CompactStorage, which stores each observation once and rebuilds "
         f"('next', obs) at sample time; this buffer's storage is "
         f"{type(rb.storage).__name__}, which has just loaded the rows without their next "
-        "observations (sampling them would fail with KeyError). Build the buffer with "
-        "storage=cleanbuf.CompactStorage(max_size) (the same max_size as the saved one) and "
-        "load again; to get a plain buffer, load into a CompactStorage and extend a "
-        "LazyTensorStorage buffer with rb.storage[:]."
+        "observations (reading ('next', obs) of a sample would fail with KeyError). Build the "
+        "buffer with storage=cleanbuf.CompactStorage(max_size) (the same max_size as the "
+        "saved one) and load again; to get a plain buffer, load into a CompactStorage and "
+        "extend a LazyTensorStorage buffer without a filter (the rows are cleaned already) "
+        "with rb.storage[:]."
     )
 
 
