@@ -411,8 +411,8 @@ def _run_all(source, names, not_run, settings, acts, ends, cleaning, progress, s
                     lambda: bar.update(1),
                 )
             except TerminalObservationLostError as err:
-                if clean_fn is not runs_.filter_cleaning:
-                    raise
+                if clean_fn is not runs_.filter_cleaning or "not floating point" not in str(err):
+                    raise  # (a user's cleaning, or a loss the reason below does not name)
                 out.not_run[name] = _refused(err)
                 continue
             out.producers.append(result)
