@@ -335,7 +335,8 @@ def reward_rows(options: Options, rows: Views) -> np.ndarray:
     if a is not None and a.size == n and a.dtype.kind != "c":
         return a.reshape(n)
     reward = rows.tensors[key]
-    flat = (reward != 0).reshape(n, math.prod(reward.shape[1:]))  # (-1 fails on 0 rows)
+    width = reward.numel() // n if n else 0  # (batch-shaped: -1 fails on 0 rows)
+    flat = (reward != 0).reshape(n, width)
     return flat.any(1).to(torch.uint8).cpu().numpy()
 
 
