@@ -2,7 +2,8 @@
 
 Each test simulates random streams (``tests/reference.py``), cuts them into
 calls at random time boundaries, and runs the kernel alone on the flags of
-each call through :func:`~cleanbuf.engine._kernels.run_plan`, with the carry
+each call through :func:`~cleanbuf.engine._kernels.one_pass` (with no
+stream ends: the flags are given, as the read step computes them), with the carry
 state and the held rows threaded through by hand (:func:`kernel_rows`). What
 the kernel selects, with the next observation, ``is_init`` and step counts
 its plan gives each row, must be what the readable row-by-row twin
@@ -24,12 +25,14 @@ from hypothesis import strategies as st
 from cleanbuf.engine._cleaner import Cleaner
 from cleanbuf.engine._kernels import (
     NO_MARKS,
+    NO_ROWS,
     RELEASED_AS_IS,
     RELEASED_LOST,
     RELEASED_STORED,
-    Flags,
+    KernelResult,
     Rules,
-    run_plan,
+    Selection,
+    one_pass,
 )
 from cleanbuf.engine._options import Options
 from tests.batches import assert_same_rows, grid_td
@@ -37,6 +40,7 @@ from tests.reference import reference_clean, simulate
 from tests.test_properties import time_bounds
 
 NONE = np.zeros(0, np.bool_)
+NO_WORDS = np.zeros((0, 0), np.uint8)
 NO_SOURCE = -7.0  # the next observation of an emitted row the plan gave no source
 COMPARED = ("obs", "next_obs", "is_init", "step_count", "next_step_count")
 
@@ -65,17 +69,19 @@ def kernel_rows(raw, bounds, rules: Rules, *, obs_only=False, group=0, joint_fla
         steps = b - a
         f = {k: v[:, a:b].reshape(-1) for k, v in field.items()}
         nxt, done = f["next_obs"], f["done"].astype(bool)
-        stored = NONE
+        stored = np.zeros(0, np.bool_)  # (writeable: the kernel's type)
         if rules.reset_rows and not obs_only:  # what the read step computes
             stored = done & (nxt != 0) & ~np.isnan(nxt)
-        flags = Flags(
-            n=n * steps, steps=steps, stream=np.zeros(0, np.int64), done=done, stored=stored,
-            joint=f["joint"].astype(bool) if joint_flags else NONE, group=group,
-            final_ok=f["final_ok"].astype(bool) if rules.final else NONE, final_default=False,
-            reward=f["reward"], restart=f["is_init"].astype(bool), terminated=NONE,
-            truncated=NONE, marks=NO_MARKS, cont=np.zeros(0, np.uint8),
+        r = rules
+        _, planned = one_pass(
+            n * steps, steps, NO_ROWS, done, NO_WORDS, False, False, stored,
+            f["joint"].astype(bool) if joint_flags else NONE, group,
+            f["final_ok"].astype(bool) if rules.final else NONE, False, f["reward"],
+            f["is_init"].astype(bool), NONE, NONE, NO_MARKS, NO_WORDS, NO_WORDS, 1, NO_WORDS,
+            NO_WORDS, NONE, NONE, NO_WORDS, NO_WORDS, carry, r.reset_rows, r.successor, r.final,
+            r.stitch, r.hold_done, r.drop_lost, True,
         )  # fmt: skip
-        k = run_plan(flags, carry, rules)
+        k = KernelResult(Selection(*planned[0]), *planned[1:])
         assert k.bad_row < 0, "the kernel refused a reset row the simulation wrote"
         carry = k.carry
         _release(k.released_src, held, f, out, obs_only)

@@ -1,18 +1,18 @@
-"""The read step's fast paths against the general ones, and the schema cache.
+"""One kernel call per call, the two ways it reads stream ends, and the schema cache.
 
-A call of one observation key, time-aligned, with full transitions, is read
-and planned in one kernel call (``_kernels.one_pass``, through
-``Reader._one_pass``); every other call takes one kernel per fact
-(``stream_ends``, ``read_fills``, ``plan_rows``). A batch's structure is
-checked once and cached (``_read.Schema``). These tests run both paths on
-the same random streams and check that they agree call by call, and that a
-structure that comes back after another is checked against what the cleaner
-holds, not against the cache.
+Every call is read and planned in one kernel call (``_kernels.one_pass``,
+through ``Reader._run_kernel``). Its stream ends come either as the rows
+themselves (one observation key that numpy views whole) or as each stream's
+first and last rows, every key's bytes side by side (several keys, rows on
+another device or not contiguous: ``_continuity.EndRows``). These tests run
+both readings on the same random streams and check that they agree call by
+call, that each call runs the kernel once, and that a structure that comes
+back after another is checked against what the cleaner holds, not against
+the cache.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from unittest import mock
 
 import numpy as np
@@ -22,45 +22,42 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cleanbuf import AutoresetFilter, InputError, RolloutRepair
-from cleanbuf.engine import _read
+from cleanbuf.engine import _continuity, _read
 from tests.batches import assert_same_rows, grid_td, next_step_batch
 from tests.faults import state_bytes
 from tests.reference import simulate
 from tests.test_properties import cut_in_time
 
-
-def _without_one_pass(build):
-    """``build_schema`` whose schemas never take the one-kernel path."""
-
-    def build_general(*args, **kwargs):
-        return dataclasses.replace(build(*args, **kwargs), one_pass=False)
-
-    return build_general
+_ROW_WORDS = _continuity.row_words
 
 
-def _run(calls, make, fused: bool):
-    """Each call's output (or error) and the flush's, the stats and the state.
+def _ends_only(rows, key, next_key, steps):
+    """``row_words`` as for rows numpy cannot view whole: the end rows are read instead."""
+    obs, nxt, _ = _ROW_WORDS(rows, key, next_key, steps)
+    return obs, nxt, -1
 
-    ``make()`` builds the filter or repair; ``fused`` False forces the
-    kernel-per-fact path, True counts the one-kernel calls.
+
+def _run(calls, make, whole: bool):
+    """Each call's output (or error) and the flush's, the stats, the state and the kernel calls.
+
+    ``make()`` builds the filter or repair; ``whole`` False reads the stream
+    ends as end rows (the general reading).
     """
     cleaner = make()
-    patch = (
-        mock.patch.object(_read, "one_pass", wraps=_read.one_pass)
-        if fused
-        else mock.patch.object(_read, "build_schema", _without_one_pass(_read.build_schema))
-    )
     outs = []
-    with patch as spy:
+    spy = mock.patch.object(_read, "one_pass", wraps=_read.one_pass)
+    ends = mock.patch.object(
+        _continuity, "row_words", _continuity.row_words if whole else _ends_only
+    )
+    with spy as kernel, ends:
         for c in calls:
             try:
                 outs.append(cleaner(c) if isinstance(cleaner, RolloutRepair) else cleaner.inv(c))
-            except Exception as err:  # noqa: BLE001 - the same error on both paths
+            except Exception as err:  # noqa: BLE001 - the same error both ways
                 outs.append(f"{type(err).__name__}: {err}")
         if not isinstance(cleaner, RolloutRepair):
             outs.append(cleaner.flush())
-        used = spy.call_count if fused else 0
-    return outs, cleaner.stats, cleaner.state_dict(), used
+    return outs, cleaner.stats, cleaner.state_dict(), kernel.call_count
 
 
 def _assert_same(fast, slow):
@@ -90,22 +87,21 @@ def _assert_same(fast, slow):
     restarts=st.booleans(),
     data=st.data(),
 )
-def test_one_kernel_call_equals_one_kernel_per_fact(
+def test_rows_read_whole_equal_end_rows(
     seed, n, steps, joint, marks, zero_fill, policy, restarts, data
 ):
     """Random collector-like streams (joint resets, batch-end marks with
     trajectory ids, collector restarts, zero-filled or stored terminal
-    observations), cut at random time boundaries, cleaned with the
-    one-kernel path and with the kernel-per-fact path: the same rows, stats,
-    state and errors, call by call, and the one-kernel path taken.
+    observations), cut at random time boundaries, cleaned with the stream
+    ends read from the whole rows and read as end rows: the same rows,
+    stats, state and errors, call by call, and one kernel call per call.
 
-    Bugs caught: the fused kernel reading a stored terminal observation
-    differently from ``read_fills`` (a zero-filled row emitted as stored, a
-    NaN row kept), continuity or marks decided from another ``cont`` than
-    the stream ends', a fingerprint or last next observation not saved the
-    same way (a retry or the next call's continuity check going wrong), the
-    lost-row policy or the carry's counts applied differently, and a fast
-    path that is never taken (its equality then proves nothing).
+    Bugs caught: the end rows taken from the wrong row of a stream (a
+    continuity check, a mark decision or a fingerprint comparing other
+    rows), the trajectory ids or the carry's last next observations split
+    or joined wrongly between calls (a retry or the next call's continuity
+    check going wrong), and a call that runs the kernel twice or not at
+    all.
     """
     rng = np.random.default_rng(seed)
     restart_at = set()
@@ -132,23 +128,22 @@ def test_one_kernel_call_equals_one_kernel_per_fact(
     def make():
         return AutoresetFilter("next_step", joint_reset=joint, on_lost_terminal_obs=policy)
 
-    fast = _run(calls, make, fused=True)
-    _assert_same(fast, _run(calls, make, fused=False))
-    has_work = any(c["next", "done"].any() for c in calls)
-    assert fast[3] > 0 or not has_work, "the one-kernel path was never taken"
+    whole = _run(calls, make, whole=True)
+    _assert_same(whole, _run(calls, make, whole=False))
+    assert whole[3] == len(calls), "a call ran the kernel other than once"
 
 
 @pytest.mark.parametrize("policy", ["drop", "nan"])
-def test_the_repair_keeps_lost_rows_on_the_one_kernel_path(policy):
-    """A repair plans with the one-kernel path too, and its batches come out
-    as on the kernel-per-fact path, lost rows kept and masked whatever
-    ``on_lost_terminal_obs`` says.
+def test_the_repair_runs_the_kernel_once_a_call_and_keeps_lost_rows(policy):
+    """A repair runs one kernel call a batch too, and its batches come out the
+    same both ways of reading the stream ends, lost rows kept and masked
+    whatever ``on_lost_terminal_obs`` says.
 
-    Bug caught: the one-kernel plan made with other rules than the call's
+    Bug caught: the repair's plan made with other rules than the call's
     (the filter's, which drop lost rows under
-    ``on_lost_terminal_obs='drop'``): the repair's mask and next
-    observations would differ from the kernel-per-fact path's. (That the
-    repair keeps lost rows at all is ``tests/test_rollout.py``'s.)
+    ``on_lost_terminal_obs='drop'``), or a batch with nothing to clean not
+    planned at all (the repair writes every row's mask). (That the repair
+    keeps lost rows at all is ``tests/test_rollout.py``'s.)
     """
     raw, _ = simulate(np.random.default_rng(0), 2, 48, group=2, max_len=2)  # joint resets
     td = grid_td(raw, (2,))
@@ -157,10 +152,10 @@ def test_the_repair_keeps_lost_rows_on_the_one_kernel_path(policy):
     def make():
         return RolloutRepair("next_step", joint_reset=True, on_lost_terminal_obs=policy)
 
-    fast = _run(calls, make, fused=True)
-    assert fast[3] > 0, "the one-kernel path was never taken"
-    assert fast[1]["terminal_obs_missing"] > 0, "no lost row: the test shows nothing"
-    _assert_same(fast, _run(calls, make, fused=False))
+    whole = _run(calls, make, whole=True)
+    assert whole[3] == len(calls), "a call ran the kernel other than once"
+    assert whole[1]["terminal_obs_missing"] > 0, "no lost row: the test shows nothing"
+    _assert_same(whole, _run(calls, make, whole=False))
 
 
 def _cast(td, key, dtype):
@@ -200,10 +195,9 @@ def test_flags_of_another_kind_are_refused_as_before():
     done flags' own checks never read it): refused, naming the key and the
     dtype, at the first call with an episode end.
 
-    Bug caught: the one-kernel path handing the truncated flags to the
-    kernel unchecked, where a float flag reads as true wherever nonzero
-    and a [*batch, 2] flag is read half (the kernel-per-fact path refuses
-    both).
+    Bug caught: the truncated flags handed to the kernel unchecked, where
+    a float flag reads as true wherever nonzero and a [*batch, 2] flag is
+    read half.
     """
     td = next_step_batch(2, 12, seed=1)
     td.rename_key_(("next", "done"), ("next", "ended"))

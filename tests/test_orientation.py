@@ -45,13 +45,16 @@ def _chained(envs: int, steps: int, ends: list, seed: int) -> tuple:
     seed=st.integers(0, 1000),
 )
 @example(envs=2, steps=2, ends=[(0, 0), (0, 1)], seed=0)  # no open row along an axis: 0 rows
+@example(envs=2, steps=2, ends=[(0, 0), (1, 0)], seed=0)  # no open pair in time: no verdict
 def test_numpy_torch_and_tensordict_agree(envs, steps, ends, seed):
     """Bugs caught: the detectors disagreeing on the same data (the filter's
     first-write check, the repair's hint and the offline reader were three
     copies with three thresholds), a torch path that compares values where
     the numpy path compares bytes, and a swapped axis in the TensorDict
     reader (its done flags read along the wrong axis), and a torch path
-    that failed on zero open rows along an axis (a reshape to ``[0, -1]``).
+    that failed on zero open rows along an axis (a reshape to ``[0, -1]``),
+    and an axis of several steps with no open pair taken for one step (a
+    verdict given with no pair compared along it).
     """
     obs, nxt, done = _chained(envs, steps, ends, seed)
     expected_last = 1 if (~done[:, :-1]).sum() >= 1 else None

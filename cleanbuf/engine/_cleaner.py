@@ -178,7 +178,7 @@ class Cleaner:
 
         Returns what :meth:`step` returns.
         """
-        call = self.read(td, plan=True, before=before)
+        call = self.read(td, before=before)
         try:
             if call.as_is:
                 return self._pass_through(call), call.fingerprint
@@ -207,9 +207,10 @@ class Cleaner:
     ) -> Call:
         """Reads and checks a batch (:class:`cleanbuf.engine._read.Reader`); changes nothing.
 
-        With ``plan``, a call whose structure allows it is planned in the
-        same kernel call (``call.planned``, which :meth:`plan` then uses),
-        with ``keep_lost`` keeping the rows whose next observation is lost.
+        The call is planned in the same kernel call (``call.planned``,
+        which :meth:`plan` then uses), except one with nothing to clean
+        unless ``plan``; ``keep_lost`` keeps the rows whose next
+        observation is lost.
         ``before`` is the last call's fingerprint (a batch written again).
         """
         return self._reader.read(td, self.state.carry, before, plan, keep_lost)

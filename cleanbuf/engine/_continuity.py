@@ -35,8 +35,7 @@ import numpy as np
 import torch
 
 from cleanbuf.engine._errors import ContinuityError, key_name
-from cleanbuf.engine._kernels import stream_ends
-from cleanbuf.engine._keys import Views
+from cleanbuf.engine._keys import TRAJ_IDS, Views
 from cleanbuf.engine._write import index_tensor
 
 _NO_BYTES = np.zeros((0, 0), np.uint8)
@@ -84,88 +83,154 @@ class CallEnds(NamedTuple):
     broken: int = -1
 
 
-def read_ends(
-    rows: Views,
-    obs_keys: list,
-    steps: int,
-    done: np.ndarray,
-    before: LastRows,
-    fingerprint: dict | None,
-    fingerprint_keys: tuple = (),
-    restart: np.ndarray | None = None,
-) -> CallEnds:
-    """Reads the first and the last row of each stream of a time-aligned call.
+class EndRows:
+    """A call's stream ends as :func:`~cleanbuf.engine._kernels.one_pass` reads them.
 
-    The continuity check is read in the same pass: where ``restart`` is
-    given, :attr:`CallEnds.broken` names the first stream that does not
-    continue (raise with :func:`check`).
+    One observation key whose rows numpy views whole (the common case): the
+    rows themselves, as words, ``steps`` rows a stream. Any other call
+    (several keys, rows on another device or not contiguous): each
+    stream's first observation and last next observation, every key's bytes
+    side by side, one row a stream (``steps`` 1), so one kernel pass checks
+    them all. Either way the carry keeps each key's own rows
+    (:meth:`split`), and the rows to compare with are built the same way
+    (:meth:`before`).
 
-    Args:
-        rows: the call's leaves, read as rows (stream after stream, ``steps``
-            rows each).
-        obs_keys: the observation keys.
-        steps: rows per stream.
-        done: bool ``[N]``, the rows' done flags.
-        before: the previous call's last rows.
-        fingerprint: the first rows of the call to compare with (the last
-            call's), or None.
-        fingerprint_keys: further keys of the fingerprint (trajectory ids).
-        restart: bool ``[N]`` or empty, the rows that restart their stream
-            (``is_init``), to check continuity; None not to check it.
+    Attributes:
+        obs: the rows (or first rows) as words; ``[0, 0]``: no stream ends
+            (observation-only rows, flat rows with a stream key).
+        next_obs: their next observations (or last ones), as ``obs``.
+        steps: rows per stream in ``obs``.
+        ids: the trajectory ids, read like ``obs`` (``[0, 0]``: none).
+        open_before: per stream, the last call's last row was open (empty:
+            continuity is not checked).
+        restart: per row of ``obs``, the row restarts its stream (empty:
+            none, or not checked).
 
     Examples:
         >>> rows = Views({("obs",): torch.arange(6.0), ("next", "obs"): torch.arange(1.0, 7.0)})
-        >>> ends = read_ends(rows, [("obs",)], 3, np.zeros(6, bool), LastRows(), None)
-        >>> ends.last.next_obs[("obs",)].view(np.float32).ravel().tolist()
+        >>> ends = EndRows.of(rows, [("obs",)], 3, LastRows(), {}, False, None)
+        >>> ends.split(ends.next_obs[2::3])[("obs",)].view(np.float32).ravel().tolist()
         [3.0, 6.0]
-        >>> later = Views({("obs",): torch.tensor([3.0, 7.0]), ("next", "obs"): torch.zeros(2)})
-        >>> again = read_ends(later, [("obs",)], 1, np.zeros(2, bool), ends.last, None,
-        ...                   restart=np.zeros(0, bool))
-        >>> again.cont.tolist(), again.broken
-        ([1, 0], 1)
     """
-    fingerprint = fingerprint or {}
-    cont, first, last, repeats = None, {}, {}, bool(fingerprint)
-    open_before = _NO_FLAGS if restart is None else before.open
-    restart = _NO_FLAGS if restart is None else restart
-    broken = -1
-    ids = []
-    for k in fingerprint_keys:  # (a loop: a comprehension is one more Python call)
-        ids.append((k, *row_words(rows, k, k, steps)))
-    for k in obs_keys:
-        obs, nxt, k_steps = row_words(rows, k, ("next", *k), steps)
-        k_restart = restart if k_steps == steps or not len(restart) else restart[::steps].copy()
-        # The fingerprint's further keys are read in the same pass where they line up.
-        id_key, id_bytes, _, id_steps = ids.pop() if ids and ids[-1][3] == k_steps else (None,) * 4
-        id_bytes = _NO_BYTES if id_key is None else id_bytes
-        f, last_k, c, same, b, f_ids = stream_ends(
-            obs,
-            nxt,
-            k_steps,
-            words(before.next_obs.get(k), obs.dtype),
-            words(fingerprint.get(k), obs.dtype),
-            open_before,
-            k_restart,
-            id_bytes,
-            words(fingerprint.get(id_key), id_bytes.dtype),
-        )
-        first[k], last[k] = f, last_k
-        if id_key is not None:
-            first[id_key] = f_ids
-        cont = c if cont is None else cont & c
-        repeats = repeats and same
-        if b >= 0 and (broken < 0 or b < broken):  # broken for any key: broken
-            broken = b
-    for k, id_bytes, _, k_steps in ids:
-        none = words(None, id_bytes.dtype)
-        f, _, _, same, _, _ = stream_ends(
-            id_bytes, id_bytes, k_steps, none, words(fingerprint.get(k), id_bytes.dtype),
-            _NO_FLAGS, _NO_FLAGS, _NO_BYTES, _NO_BYTES,
-        )  # fmt: skip
-        first[k] = f
-        repeats = repeats and same
-    repeats = repeats and fingerprint.keys() == first.keys()
-    return CallEnds(LastRows(last, ~done[steps - 1 :: steps]), cont, first, repeats, broken)
+
+    __slots__ = ("obs", "next_obs", "steps", "ids", "open_before", "restart", "_keys", "_last",
+                 "_first")  # fmt: skip
+
+    @classmethod
+    def of(
+        cls,
+        rows: Views | None,
+        obs_keys: list,
+        steps: int,
+        before: LastRows,
+        fingerprint: dict,
+        with_ids: bool,
+        restart: np.ndarray | None,
+    ) -> EndRows:
+        """Reads the end rows of a time-aligned call.
+
+        Args:
+            rows: the call's leaves, read as rows (stream after stream,
+                ``steps`` rows each); None for no ends.
+            obs_keys: the observation keys.
+            steps: rows per stream.
+            before: the previous call's last rows.
+            fingerprint: the first rows of the last call (key -> words).
+            with_ids: the rows have trajectory ids (``TRAJ_IDS``).
+            restart: bool ``[N]`` or empty, the rows that restart their
+                stream, to check continuity; None not to check it.
+        """
+        self = object.__new__(cls)
+        self._last, self._first = before.next_obs, fingerprint
+        self.open_before = _NO_FLAGS if restart is None else before.open
+        self.obs = self.next_obs = self.ids = _NO_BYTES
+        self.steps, self.restart, self._keys = 1, _NO_FLAGS, ()
+        if rows is None or not obs_keys:
+            return self
+        if len(obs_keys) == 1:  # the rows themselves, where numpy views them whole
+            key = obs_keys[0]
+            obs, nxt, k_steps = row_words(rows, key, ("next", *key), steps)
+            ids = _NO_BYTES
+            if with_ids:
+                ids, _, id_steps = row_words(rows, TRAJ_IDS, TRAJ_IDS, steps)
+                k_steps = min(k_steps, id_steps)
+            if k_steps == steps:
+                self.obs, self.next_obs, self.ids, self.steps = obs, nxt, ids, steps
+                self._keys = ((key, -1, 0),)
+                self.restart = _NO_FLAGS if restart is None else restart
+                return self
+        firsts, lasts, keys, offset = [], [], [], 0
+        for key in obs_keys:
+            first, last = _end_bytes(rows, key, ("next", *key), steps)
+            firsts.append(first)
+            lasts.append(last)
+            keys.append((key, offset, first.shape[1]))
+            offset += first.shape[1]
+        word = _WORDS[min(offset & -offset, 8)] if offset else _WORDS[1]
+        self.obs = np.concatenate(firsts, axis=1).view(word)
+        self.next_obs = np.concatenate(lasts, axis=1).view(word)
+        self._keys = tuple(keys)
+        if with_ids:
+            ids = _end_bytes(rows, TRAJ_IDS, TRAJ_IDS, steps)[0]
+            width = ids.shape[1]
+            self.ids = ids.view(_WORDS[min(width & -width, 8)] if width else _WORDS[1])
+        if restart is not None and len(restart):
+            self.restart = restart[::steps].copy()
+        return self
+
+    def before(self, which: str) -> np.ndarray:
+        """The rows to compare with, as the kernel reads them: "last", "first" or "ids".
+
+        The previous call's last next observations, the last call's first
+        observations (the fingerprint), or its first trajectory ids; empty
+        where there are none of the same keys and widths.
+        """
+        if which == "ids":
+            return words(self._first.get(TRAJ_IDS), self.ids.dtype)
+        if not self._keys:
+            return _NO_WORDS[self.obs.dtype]
+        rows = self._last if which == "last" else self._first
+        if len(self._keys) == 1 and self._keys[0][1] < 0:
+            return words(rows.get(self._keys[0][0]), self.obs.dtype)
+        parts = []
+        for key, _, width in self._keys:
+            x = rows.get(key)
+            if x is None or x.ndim != 2 or not x.flags.c_contiguous:
+                return _NO_WORDS[self.obs.dtype]
+            x = x.view(np.uint8)
+            if x.shape[1] != width or (parts and len(x) != len(parts[0])):
+                return _NO_WORDS[self.obs.dtype]
+            parts.append(x)
+        return words(np.concatenate(parts, axis=1), self.obs.dtype)
+
+    def split(self, rows: np.ndarray) -> dict:
+        """Rows read as :attr:`obs` (one a stream), as each key's own rows: key -> words."""
+        if len(self._keys) == 1 and self._keys[0][1] < 0:
+            return {self._keys[0][0]: rows}
+        b = rows.view(np.uint8)
+        return {k: np.ascontiguousarray(b[:, o : o + w]) for k, o, w in self._keys}
+
+
+NO_ENDS = EndRows.of(None, [], 1, LastRows(), {}, False, None)  # observation-only, flat rows
+
+
+def _end_bytes(rows: Views, key: tuple, next_key: tuple, steps: int) -> tuple:
+    """Each stream's first ``rows[key]`` and last ``rows[next_key]``, as bytes ``[S, B]``.
+
+    Copies of just those rows, read on the rows' device (numpy slices where
+    the rows have numpy views).
+    """
+    a, b = rows[key], rows[next_key]
+    if a is not None and b is not None and a.dtype.kind != "O":
+        return as_bytes(a[::steps]), as_bytes(b[steps - 1 :: steps])
+    x, y = rows.flat(key), rows.flat(next_key)
+    n = len(x)
+    first = index_tensor(np.arange(0, n, steps))
+    last = index_tensor(np.arange(steps - 1, n, steps))
+    return (
+        as_bytes(x.index_select(0, first.to(x.device))),
+        as_bytes(y.index_select(0, last.to(y.device))),
+    )
 
 
 def check(ends: CallEnds, obs_keys: list) -> None:

@@ -1,9 +1,9 @@
-"""numba kernels on plain arrays: the planning scan and the row selection.
+"""numba kernels on plain arrays: one call's stream ends, planning scan and row selection.
 
-The plan step (:mod:`cleanbuf.engine._plan`) calls both at once through
-:func:`run_plan`, which takes and returns named tuples (:class:`Rules`,
-:class:`Flags`, :class:`KernelResult`) around the plain :func:`plan_rows`. Nothing here
-knows about TensorDicts, keys or torch. Validation happens in the Python
+Every call runs one kernel, :func:`one_pass` (the read step,
+:meth:`cleanbuf.engine._read.Reader.read`, fills its arrays); the plan step
+(:mod:`cleanbuf.engine._plan`) names its result (:class:`KernelResult`).
+Nothing here knows about TensorDicts, keys or torch. Validation happens in the Python
 callers (``_read.py``, ``_plan.py``) before a kernel runs; the kernels assume
 well-formed input and never raise. They are checked against
 the row-by-row reference cleaner in ``tests/reference.py`` on random
@@ -653,30 +653,37 @@ def plan_rows(n, steps, stream, done, stored, joint, group, final_ok, final_defa
 
 
 @njit(cache=True, nogil=True)
-def one_pass(n, steps, done, fills, floating, signed, stored, group, final_ok, final_default,
-             reward, restart, terminated, truncated, marks, obs, next_obs, last_next, first_before,
-             open_before, ends_restart, ids, ids_before, carry, reset_rows, successor, final,
-             stitch, hold_done, drop_lost):  # fmt: skip
-    """The stream ends, the stored next observations and the plan of a call, in one call.
+def one_pass(n, steps, stream, done, fills, floating, signed, stored, joint, group, final_ok,
+             final_default, reward, restart, terminated, truncated, marks, obs, next_obs,
+             ends_steps, last_next, first_before, open_before, ends_restart, ids, ids_before,
+             carry, reset_rows, successor, final, stitch, hold_done, drop_lost,
+             planned):  # fmt: skip
+    """Everything a call decides, in one call from Python.
 
-    :func:`stream_ends`, then which done rows hold their next observation
-    (:func:`read_fills` over ``fills``), then :func:`plan_rows`: what the
-    read and the plan steps run one kernel each for, in one call from
-    Python, for a time-aligned call of one observation key whose rows are
-    numpy views (the read step's common case).
+    Its stream ends, which done rows hold their next observation, and its
+    plan.
+
+    :func:`stream_ends` (skipped where ``obs`` is empty: observation-only
+    rows, flat rows with a stream key), then which done rows hold their next
+    observation (:func:`read_fills` over ``fills``), then :func:`plan_rows`
+    with the ends' ``cont``. Every call of every mode runs this one kernel;
+    the Python caller only reads the batch into these arrays.
 
     Args:
         n: rows in the call.
-        steps: rows per stream (row ``i`` belongs to stream ``i // steps``).
+        steps: rows per stream (row ``i`` belongs to stream ``i // steps``);
+            0 to read ``stream`` instead (see :func:`plan`).
+        stream: as :func:`plan`.
         done: bool[N], the rows' done flags.
-        fills: [N, W] the observation key's next observations (its dtype,
-            booleans as uint8), read on the done rows: zero- or NaN-filled
-            ones, and -1-filled signed integers, are not stored; empty ``[0, 0]`` to
-            take ``stored`` as given.
+        fills: [N, W] the one observation key's next observations (its
+            dtype, booleans as uint8), read on the done rows: zero- or
+            NaN-filled ones, and -1-filled signed integers, are not stored;
+            empty ``[0, 0]`` to take ``stored`` as given.
         floating: ``fills`` holds floating-point values.
         signed: ``fills`` holds signed integers.
         stored: bool[N] or empty, used where ``fills`` is empty (see
             :func:`plan`). Writeable: the kernel makes one of that type.
+        joint: as :func:`plan`.
         group: as :func:`plan`.
         final_ok: as :func:`plan`.
         final_default: as :func:`plan`.
@@ -685,13 +692,16 @@ def one_pass(n, steps, done, fills, floating, signed, stored, group, final_ok, f
         terminated: as :func:`plan`.
         truncated: as :func:`plan`.
         marks: as :func:`plan`.
-        obs: as :func:`stream_ends`.
+        obs: as :func:`stream_ends`; empty ``[0, 0]``: no stream ends.
         next_obs: as :func:`stream_ends`.
+        ends_steps: :func:`stream_ends`'s ``steps``: ``steps`` where ``obs``
+            holds every row, 1 where it holds each stream's first row (and
+            ``next_obs`` its last).
         last_next: as :func:`stream_ends`.
         first_before: as :func:`stream_ends`.
         open_before: as :func:`stream_ends`.
-        ends_restart: :func:`stream_ends`'s ``restart`` (empty: continuity
-            is not checked).
+        ends_restart: :func:`stream_ends`'s ``restart``, per row of ``obs``
+            (empty: continuity is not checked).
         ids: as :func:`stream_ends`.
         ids_before: as :func:`stream_ends`.
         carry: as :func:`plan`.
@@ -701,14 +711,23 @@ def one_pass(n, steps, done, fills, floating, signed, stored, group, final_ok, f
         stitch: as :func:`plan`.
         hold_done: as :func:`plan`.
         drop_lost: as :func:`select_rows`.
+        planned: plan the rows; False for a call with nothing to clean
+            (its rows pass through): the plan is then empty and only the
+            stream ends are read.
 
     Returns:
-        ``(ends, planned)``: :func:`stream_ends`'s results and
-        :func:`plan_rows`'s (whose ``cont`` is the ends' ``cont``).
+        ``(ends, planned)``: :func:`stream_ends`'s results (empty arrays,
+        no break, where ``obs`` is empty) and :func:`plan_rows`'s.
     """
-    ends = stream_ends(obs, next_obs, steps, last_next, first_before, open_before,
-                       ends_restart, ids, ids_before)  # fmt: skip
-    if fills.shape[0] > 0:
+    if obs.shape[0] > 0:
+        ends = stream_ends(obs, next_obs, ends_steps, last_next, first_before, open_before,
+                           ends_restart, ids, ids_before)  # fmt: skip
+    else:
+        none = np.empty((0, obs.shape[1]), obs.dtype)
+        ends = (none, none.copy(), np.zeros(0, np.uint8), False, -1,
+                np.empty((0, ids.shape[1]), ids.dtype))  # fmt: skip
+    m = n if planned else 0
+    if fills.shape[0] > 0 and m > 0:
         n_done = 0
         for i in range(n):
             n_done += done[i]
@@ -725,12 +744,12 @@ def one_pass(n, steps, done, fills, floating, signed, stored, group, final_ok, f
             read_fills(fills, done_rows, floating, signed, zero, nan)
             for j in range(n_done):
                 stored[done_rows[j]] = not (zero[j] or nan[j])
-    planned = plan_rows(
-        n, steps, NO_ROWS, done, stored, done[:0], group, final_ok, final_default, reward,
-        restart, terminated, truncated, marks, ends[2], carry, reset_rows, successor, final,
-        stitch, hold_done, drop_lost,
+    rows = plan_rows(
+        m, steps, stream[:m], done[:m], stored[:m], joint[:m], group, final_ok[:m],
+        final_default, reward[:m], restart[:m], terminated[:m], truncated[:m], marks, ends[2],
+        carry, reset_rows, successor, final, stitch, hold_done, drop_lost,
     )  # fmt: skip
-    return ends, planned
+    return ends, rows
 
 
 class Rules(NamedTuple):
@@ -791,33 +810,8 @@ class Rules(NamedTuple):
         )
 
 
-class Flags(NamedTuple):
-    """What the read step found in a call, as the planning kernel takes it.
-
-    The fields are :func:`plan`'s first arguments, in its order (see there):
-    the rows' layout (``n``, ``steps``, ``stream``), their done flags, and
-    the per-row flags and per-call switches read from the batch.
-    """
-
-    n: int
-    steps: int
-    stream: np.ndarray
-    done: np.ndarray
-    stored: np.ndarray
-    joint: np.ndarray
-    group: int
-    final_ok: np.ndarray
-    final_default: bool
-    reward: np.ndarray
-    restart: np.ndarray
-    terminated: np.ndarray
-    truncated: np.ndarray
-    marks: int
-    cont: np.ndarray
-
-
 class KernelResult(NamedTuple):
-    """What :func:`run_plan` returns for one call.
+    """What :func:`one_pass` planned for one call (its ``planned`` result, named).
 
     Attributes:
         sel: the rows to emit and to hold, and the patches they need.
@@ -841,34 +835,3 @@ class KernelResult(NamedTuple):
     n_next_lost: int
     n_done: int
     bad_row: int
-
-
-def run_plan(flags: Flags, carry: np.ndarray, rules: Rules) -> KernelResult:
-    """:func:`plan_rows` on named tuples: a call's flags and the mode's rules.
-
-    Args:
-        flags: the call's rows and flags.
-        carry: the carry state, int64[5, S] (not written: the kernel returns
-            a fresh one).
-        rules: the mode's flags (``marks`` is already read into
-            ``flags.marks``).
-
-    Examples:
-        >>> done = np.array([False, True, False, False])  # one stream, a reset row at 2
-        >>> flags = Flags(
-        ...     n=4, steps=4, stream=NO_ROWS, done=done, stored=np.zeros(0, np.bool_),
-        ...     joint=np.zeros(0, np.bool_), group=0, final_ok=np.zeros(0, np.bool_),
-        ...     final_default=False, reward=np.zeros(0), restart=np.zeros(0, np.bool_),
-        ...     terminated=np.zeros(0, np.bool_), truncated=np.zeros(0, np.bool_), marks=0,
-        ...     cont=np.zeros(0, np.uint8))
-        >>> rules = Rules(reset_rows=True, successor=False, final=False, stitch=True,
-        ...               hold_done=True, drop_lost=False, marks=False)
-        >>> out = run_plan(flags, np.zeros((5, 1), np.int64), rules)
-        >>> out.sel.emit.tolist(), out.sel.stitched_src.tolist(), out.n_drop
-        ([0, 1, 3], [2], 1)
-    """
-    r = rules
-    sel, *rest = plan_rows(
-        *flags, carry, r.reset_rows, r.successor, r.final, r.stitch, r.hold_done, r.drop_lost
-    )
-    return KernelResult(Selection(*sel), *rest)

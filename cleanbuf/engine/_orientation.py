@@ -115,7 +115,7 @@ def time_axis(obs: Any, next_obs: Any, done: Any) -> tuple[int | None, str]:
         n_other = (n0, n1)[other]
         if chains[axis] and (breaks[other] or not n_other):
             return axis, f"axis {axis} chains ({pairs} along axes 0 and 1)"
-        if breaks[other] and not (n0, n1)[axis]:  # one step: the other axis is the envs
+        if breaks[other] and done.shape[axis] == 1:  # one step: the other axis is the envs
             return axis, f"axis {other} does not chain and axis {axis} has one entry"
     return None, f"neither axis chains clearly ({pairs} along axes 0 and 1)"
 

@@ -26,7 +26,6 @@ from cleanbuf.engine._kernels import (
     RELEASED_LOST,
     KernelResult,
     Selection,
-    run_plan,
 )
 from cleanbuf.engine._keys import Views, done_flags
 from cleanbuf.engine._options import Options
@@ -217,11 +216,8 @@ def plan(call: Call, options: Options) -> Plan:
         TerminalObservationLostError, InputError: see :func:`lost_policy`.
     """
     layout = call.layout
-    if call.planned is not None:  # read and planned in one kernel call
-        sel, *rest = call.planned
-        k = KernelResult(Selection(*sel), *rest)
-    else:
-        k = run_plan(call.flags(options), call.carry.per_stream, call.rules)
+    sel, *rest = call.planned  # (read and planned in one kernel call)
+    k = KernelResult(Selection(*sel), *rest)
     if k.bad_row >= 0:
         stream = int(layout.stream_of(np.array([k.bad_row]))[0])
         raise bad_reset_row(k.bad_row, stream, bool(call.done[k.bad_row]))

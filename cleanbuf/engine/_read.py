@@ -67,7 +67,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from cleanbuf.engine._continuity import CallEnds, LastRows, check, read_ends, row_words, words
+from cleanbuf.engine._continuity import NO_ENDS, CallEnds, EndRows, LastRows, check
 from cleanbuf.engine._errors import (
     ContinuityError,
     InputError,
@@ -79,7 +79,6 @@ from cleanbuf.engine._kernels import (
     NO_MARKS,
     NO_ROWS,
     UNSTORED_MARKS,
-    Flags,
     Rules,
     one_pass,
     read_fills,
@@ -569,9 +568,6 @@ class Fingerprint(NamedTuple):
 
 
 _CACHE_SIZE = 64
-_NO_CONT = np.zeros(0, np.uint8)
-_NO_CONT.flags.writeable = False
-_NO_WORDS = np.zeros((0, 0), np.uint8)
 _NO_FILLS = np.zeros((0, 0), np.uint8)
 _EMPTY_BOOL = np.zeros(0, np.bool_)  # (writeable: the kernel's type of a stored array it makes)
 
@@ -608,11 +604,10 @@ class Schema:
             on every call).
         has_is_init: the rows hold the ``is_init`` the cleaner fixes.
         has_step_count: the rows hold a step count the cleaner fixes.
-        one_pass: a call of this structure can be read and planned in one
-            kernel call (:meth:`Reader.read` with ``plan=True``): time-aligned
-            full transitions of one observation key, whose reward, if
-            checked, is present, and whose terminated and truncated flags,
-            if any, are one bool a row.
+        fills: the ``("next", k)`` key of the one observation key whose
+            done rows the kernel reads for zero- or NaN-filled terminal
+            observations (None: several keys, or a dtype numba lacks; then
+            :func:`stored_rows` reads them).
     """
 
     done: object
@@ -629,7 +624,7 @@ class Schema:
     exact: bool = False
     has_is_init: bool = False
     has_step_count: bool = False
-    one_pass: bool = False
+    fills: tuple | None = None
 
 
 def structure(layout: CallLayout, leaves: dict, batch_dims: int) -> tuple:
@@ -686,23 +681,17 @@ def build_schema(options: Options, layout: CallLayout, views: Views, batch_dims:
     group = 0
     if opts.joint_reset and opts.joint_key is None:
         group = opts.reset_group_size or layout.n_streams
-    checks_reward = opts.check_reset_rows and opts.reward_key is not None
-    fills = leaves[("next", *obs_keys[0])].dtype if not obs_only else None
-    flags = [leaves[k] for k in (("next", "terminated"), ("next", "truncated")) if k in leaves]
-    one_pass = (
-        ends
-        and len(obs_keys) == 1
-        and (not checks_reward or opts.mode != "next_step" or opts.reward_key in leaves)
-        and fills not in (torch.float16, torch.bfloat16, torch.complex64, torch.complex128)
-        # (flags of another kind: the kernel-per-fact path's checks say what is wrong)
-        and all(f.dtype == torch.bool and f.shape[batch_dims:].numel() == 1 for f in flags)
-    )
+    fills = None  # the next observations the kernel reads for the stored done rows
+    if len(obs_keys) == 1 and not obs_only:
+        dtype = leaves[("next", *obs_keys[0])].dtype
+        if dtype not in (torch.float16, torch.bfloat16, torch.complex64, torch.complex128):
+            fills = ("next", *obs_keys[0])  # (float16: numba lacks it)
     return Schema(
         done, empty_entry, obs_keys, obs_only, obs_schema, final_of, final_mask, moved, rules,
         marks, group, exact,
         has_is_init=opts.is_init_key in leaves,
         has_step_count=any(k in leaves for k in opts.step_count_keys),
-        one_pass=bool(one_pass),
+        fills=fills,
     )  # fmt: skip
 
 
@@ -725,42 +714,9 @@ class Call:
     rules: Rules | None = None
     schema: dict = dataclasses.field(default_factory=dict)  # obs key -> (dtype, feature shape)
     structure: Schema | None = None  # what the batch's structure decided (None: disabled mode)
-    planned: tuple | None = None  # the kernel's plan, where the read made it (Reader._one_pass)
+    planned: tuple | None = None  # the kernel's plan (Reader._run_kernel)
     fingerprint: Fingerprint | None = None  # time-aligned full transitions only
     as_is: bool = True  # nothing to clean: the rows pass through as views
-
-    def flags(self, options: Options) -> Flags:
-        """The rows, per-row flags and switches of the planning kernel for this call."""
-        views, layout, marks = self.views, self.layout, self.structure.marks
-        return Flags(
-            n=layout.n_rows,
-            steps=layout.steps,
-            stream=layout.stream,
-            done=self.done,
-            stored=self.stored(options),
-            joint=joint_rows(options, views, self.done),
-            group=self.structure.group,
-            final_ok=NONE if self.final_present is None else self.final_present,
-            final_default=bool(self.final_of),
-            reward=reward_rows(options, views),
-            restart=self.restart,
-            terminated=row_flags_or_none(views, ("next", "terminated")) if marks else NONE,
-            truncated=row_flags_or_none(views, ("next", "truncated")) if marks else NONE,
-            marks=marks,
-            cont=self.ends.cont if self.ends is not None else _NO_CONT,
-        )
-
-    def stored(self, options: Options) -> np.ndarray:
-        """Per done row, whether its next observation is stored (next-step full rows).
-
-        Read from the data (:func:`~cleanbuf.engine._read.stored_rows`);
-        every done row where ``terminal_obs_in_done_row=True`` says so.
-        """
-        if not self.rules.reset_rows or self.obs_only:
-            return NONE
-        if options.terminal_obs_in_done_row:
-            return self.done
-        return stored_rows(self.views, self.obs_keys, self.done)
 
 
 class Reader:
@@ -789,9 +745,9 @@ class Reader:
             td: the batch.
             carry: the producer's carry state.
             before: the last call's fingerprint (a batch written again).
-            plan: plan the call too where its structure allows one kernel
-                call for both (:attr:`Schema.one_pass`): the plan is then in
-                ``call.planned``.
+            plan: plan the call even where it has nothing to clean (the
+                repair writes every row); else such a call is not planned
+                (its rows pass through as views).
             keep_lost: rules that keep the rows whose next observation is
                 lost, whatever ``on_lost_terminal_obs`` says (the repair masks
                 them): ``call.rules``, and the plan made with the read.
@@ -846,11 +802,9 @@ class Reader:
             and not np.count_nonzero(call.done)
             and call.carry.nothing_pending(schema.has_is_init, schema.has_step_count)
         )
-        # Planned with the read where there is a plan to make (a call with
-        # nothing to clean passes through as it is).
-        planned = plan and schema.one_pass and not call.as_is
-        if not (planned and self._one_pass(call, carry, before)):
-            self._read_ends(call, carry, before)
+        # One kernel call: the stream ends, and the plan where there is one
+        # to make (a call with nothing to clean passes through as it is).
+        self._run_kernel(call, carry, before, plan or not call.as_is)
         self._check_ends(call)
         return call
 
@@ -876,100 +830,63 @@ class Reader:
                 self._schemas[key] = schema
         return schema
 
-    def _one_pass(self, call: Call, carry: Carry, before: Fingerprint | None) -> bool:
+    def _run_kernel(self, call: Call, carry: Carry, before: Fingerprint | None, plan: bool) -> None:
         """Reads the stream ends and plans the call in one kernel call (:func:`one_pass`).
 
-        What :meth:`_read_ends` and the plan step do, with the stored next
-        observations, for a call of a :attr:`Schema.one_pass` structure.
-        False (nothing kept) where the rows have no numpy views (another
-        device, a dtype numpy lacks) or, over several steps, no contiguous
-        ones (a slice of a larger batch).
+        Sets ``call.ends`` (time-aligned full transitions: the other calls
+        have no stream ends), ``call.fingerprint`` and ``call.planned``
+        (where ``plan``).
 
         Raises:
-            SameBatchAgain, ContinuityError: as :meth:`_read_ends`.
+            SameBatchAgain: the batch is the last call's again (trajectory ids).
         """
         opts, views, layout, schema = self.options, call.views, call.layout, call.structure
-        steps, n = layout.steps, layout.n_rows
-        key = schema.obs_keys[0]
-        nk = ("next", *key)
-        term = views.get(("next", "terminated"), NONE)
-        trunc = views.get(("next", "truncated"), NONE)
-        rows = [views[key], views[nk], term, trunc]
-        if schema.exact:
-            rows.append(views[TRAJ_IDS])
-        if any(a is None for a in rows):
-            return False  # (checked first: on a GPU, reading the ends costs copies)
-        obs, nxt, k_steps = row_words(views, key, nk, steps)
-        ids = _NO_WORDS
-        if schema.exact:
-            ids, _, id_steps = row_words(views, TRAJ_IDS, TRAJ_IDS, steps)
-            k_steps = min(k_steps, id_steps)
-        if k_steps != steps:  # rows not contiguous: the ends were read as first and last rows
-            return False
-        fills = _NO_FILLS
-        stored = NONE
-        if call.rules.reset_rows:
+        rules, done, n = call.rules, call.done, layout.n_rows
+        fills, stored = _NO_FILLS, _EMPTY_BOOL
+        if plan and rules.reset_rows and not call.obs_only:
             if opts.terminal_obs_in_done_row:
-                stored = call.done
-            else:
-                fills = rows[1]
-        reward = reward_rows(opts, views)
-        if fills.dtype == np.bool_:
-            fills = fills.view(np.uint8)
-        fills = fills.reshape(n, -1) if len(fills) else fills
-        fingerprint = {} if before is None else before.rows
-        checked = opts.check_continuity
-        rules = call.rules
-        ends, planned = one_pass(
-            n, steps, call.done, fills, fills.dtype.kind == "f", fills.dtype.kind == "i",
-            _EMPTY_BOOL if stored is NONE else stored, schema.group,
-            NONE if call.final_present is None else call.final_present, bool(call.final_of),
-            reward, call.restart, term.reshape(-1) if len(term) else term,
-            trunc.reshape(-1) if len(trunc) else trunc, schema.marks,
-            obs, nxt, words(carry.last.next_obs.get(key), obs.dtype),
-            words(fingerprint.get(key), obs.dtype),
-            carry.last.open if checked else NONE, call.restart if checked else NONE,
-            ids, words(fingerprint.get(TRAJ_IDS), ids.dtype), call.carry.per_stream,
+                stored = done
+            elif schema.fills is not None and (a := views[schema.fills]) is not None:
+                fills = a.view(np.uint8) if a.dtype == np.bool_ else a
+                fills = fills.reshape(n, -1)
+            elif np.count_nonzero(done):  # several keys, or rows numpy cannot view
+                stored = stored_rows(views, call.obs_keys, done)
+        marks = schema.marks
+        ends = NO_ENDS
+        if not call.obs_only and layout.kind != "stream_key":
+            ends = EndRows.of(
+                views, call.obs_keys, layout.steps, carry.last,
+                {} if before is None else before.rows, schema.exact,
+                call.restart if opts.check_continuity else None,
+            )  # fmt: skip
+        first_before = ends.before("first")
+        k_ends, planned = one_pass(
+            n, layout.steps, layout.stream, done, fills, fills.dtype.kind == "f",
+            fills.dtype.kind == "i", stored, joint_rows(opts, views, done) if plan else NONE,
+            schema.group, NONE if call.final_present is None else call.final_present,
+            bool(call.final_of), reward_rows(opts, views) if plan else NONE, call.restart,
+            row_flags_or_none(views, ("next", "terminated")) if marks and plan else NONE,
+            row_flags_or_none(views, ("next", "truncated")) if marks and plan else NONE,
+            marks, ends.obs, ends.next_obs, ends.steps, ends.before("last"), first_before,
+            ends.open_before, ends.restart, ends.ids, ends.before("ids"), call.carry.per_stream,
             rules.reset_rows, rules.successor, rules.final, rules.stitch, rules.hold_done,
-            rules.drop_lost,
+            rules.drop_lost, plan,
         )  # fmt: skip
-        first_k, last_k, cont, same, broken, first_ids = ends
-        first = {key: first_k}
+        if plan:
+            call.planned = planned
+        if not len(ends.obs):  # no stream ends: observation-only rows, flat rows
+            return
+        first_k, last_k, cont, same, broken, first_ids = k_ends
+        first, last = ends.split(first_k), ends.split(last_k)
         if schema.exact:
             first[TRAJ_IDS] = first_ids
+        fingerprint = {} if before is None else before.rows
         repeats = bool(fingerprint) and same and fingerprint.keys() == first.keys()
         call.fingerprint = Fingerprint(schema.exact, first, repeats)
         if schema.exact and repeats:
             raise SameBatchAgain
-        call.ends = CallEnds(
-            LastRows({key: last_k}, ~call.done[steps - 1 :: steps]), cont, first, repeats, broken
-        )
-        call.planned = planned
-        return True
-
-    def _read_ends(self, call: Call, carry: Carry, before: Fingerprint | None) -> None:
-        """Reads the stream ends, checks continuity, recognises a batch again.
-
-        Time-aligned full transitions only: other calls keep what they had.
-        """
-        layout = call.layout
-        if call.obs_only or layout.kind == "stream_key":
-            return
-        exact = call.structure.exact
-        ends = read_ends(
-            call.views,
-            call.obs_keys,
-            layout.steps,
-            call.done,
-            carry.last,
-            None if before is None else before.rows,
-            (TRAJ_IDS,) if exact else (),
-            call.restart if self.options.check_continuity else None,
-        )
-        call.fingerprint = Fingerprint(exact, ends.first, ends.repeats)
-        if exact and ends.repeats:
-            raise SameBatchAgain
-        call.ends = ends
+        open_now = ~done[layout.steps - 1 :: layout.steps]
+        call.ends = CallEnds(LastRows(last, open_now), cont, first, repeats, broken)
 
     def _layout(self, td: TensorDictBase, carry: Carry) -> CallLayout:
         """The call's layout, checked against the streams of the calls before.
