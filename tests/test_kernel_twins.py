@@ -79,7 +79,7 @@ def kernel_rows(raw, bounds, rules: Rules, *, obs_only=False, group=0, joint_fla
             f["final_ok"].astype(bool) if rules.final else NONE, False, f["reward"],
             f["is_init"].astype(bool), NONE, NONE, NO_MARKS, NO_WORDS, NO_WORDS, 1, NO_WORDS,
             NO_WORDS, NONE, NONE, NO_WORDS, NO_WORDS, carry, r.reset_rows, r.successor, r.final,
-            r.stitch, r.hold_done, r.drop_lost, True,
+            r.stitch, r.hold_done, r.drop_lost,
         )  # fmt: skip
         k = KernelResult(Selection(*planned[0]), *planned[1:])
         assert k.bad_row < 0, "the kernel refused a reset row the simulation wrote"

@@ -1,7 +1,8 @@
 """One kernel call per call, the two ways it reads stream ends, and the schema cache.
 
 Every call is read and planned in one kernel call (``_kernels.one_pass``,
-through ``Reader._run_kernel``). Its stream ends come either as the rows
+through ``Reader._run_kernel``; a call with nothing to clean reads its stream
+ends alone, ``_kernels.stream_ends``). Its stream ends come either as the rows
 themselves (one observation key that numpy views whole) or as each stream's
 first and last rows, every key's bytes side by side (several keys, rows on
 another device or not contiguous: ``_continuity.EndRows``). These tests run
@@ -45,11 +46,12 @@ def _run(calls, make, whole: bool):
     """
     cleaner = make()
     outs = []
-    spy = mock.patch.object(_read, "one_pass", wraps=_read.one_pass)
-    ends = mock.patch.object(
-        _continuity, "row_words", _continuity.row_words if whole else _ends_only
-    )
-    with spy as kernel, ends:
+    plans = mock.patch.object(_read, "one_pass", wraps=_read.one_pass)
+    ends_alone = mock.patch.object(
+        _read, "stream_ends", wraps=_read.stream_ends
+    )  # nothing to clean
+    ends = mock.patch.object(_continuity, "row_words", _ROW_WORDS if whole else _ends_only)
+    with plans as kernel, ends_alone as ends_kernel, ends:
         for c in calls:
             try:
                 outs.append(cleaner(c) if isinstance(cleaner, RolloutRepair) else cleaner.inv(c))
@@ -57,7 +59,7 @@ def _run(calls, make, whole: bool):
                 outs.append(f"{type(err).__name__}: {err}")
         if not isinstance(cleaner, RolloutRepair):
             outs.append(cleaner.flush())
-    return outs, cleaner.stats, cleaner.state_dict(), kernel.call_count
+    return outs, cleaner.stats, cleaner.state_dict(), kernel.call_count + ends_kernel.call_count
 
 
 def _assert_same(fast, slow):

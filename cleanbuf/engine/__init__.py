@@ -6,8 +6,9 @@ replaces only when it succeeds. The modules, in the order of the step:
 * ``_options``: the validated options; ``_errors``: the exceptions;
   ``_compat``: what torch and tensordict do not promise.
 * ``_kernels``: the numba kernels on plain arrays (``one_pass``: a call's
-  stream ends, stored next observations and plan in one call), and the
-  named tuples they take and give (``Rules``, ``Flags``, ``KernelResult``).
+  stream ends, stored next observations and plan in one call, the only
+  kernel call of a call), and the named tuples around it (``Rules``,
+  ``KernelResult``).
 * ``_state``: the state a cleaner keeps between calls (``State``: the
   carries and counters; ``Carry``: one producer's per-stream flags, which
   it alone encodes, and its held rows).
@@ -22,11 +23,10 @@ replaces only when it succeeds. The modules, in the order of the step:
 * ``_write``: the rows writer (the filter's flat rows); ``_rollout``: the
   rollout writer (the repair's ``[*E, T]`` batch).
 * ``_cleaner``: the stateful ``Cleaner`` that runs the step, call after
-  call, and commits it; flush and state dicts.
-* ``_retry``: a batch written again (its write into the buffer failed):
-  the undo of the last call; ``_routing``: batches of several producers,
-  each cleaned against its producer's carry. A single producer's call
-  never enters the routing.
+  call, and commits it; its one undo (a batch written again after its
+  write into the buffer failed); flush and state dicts.
+* ``_routing``: batches of several producers, each cleaned against its
+  producer's carry. A single producer's call never enters the routing.
 * ``_dicts``: dicts of arrays in and out, the one conversion the repair,
   ``clean`` and ``audit`` share.
 * ``_orientation``: which axis of a 2-D batch is time, from the data: the

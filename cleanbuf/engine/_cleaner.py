@@ -19,9 +19,18 @@ A call is one step over the producer's :class:`~cleanbuf.engine._state.Carry`
 Everything that raises does so before the commit, so a failed call changes
 nothing. Around a call, and apart from it:
 
-- :mod:`cleanbuf.engine._retry` goes back to before the last call when
-  that call's batch comes again (a write into the buffer failed and the
-  batch is written again);
+- **one undo**: the cleaner keeps its state from before the last call, and
+  that call's fingerprint (the first row of each stream, compared with the
+  next call's by the kernel). A call whose batch is the last call's again
+  (its write into the buffer failed and it is written again) is cleaned as
+  if the last call had not happened; once the buffer is known to hold the
+  last call's rows (:meth:`Cleaner.last_call_stored`) the same batch again
+  is written twice, a :class:`~cleanbuf.ContinuityError`; once the write
+  is known to have failed (:meth:`Cleaner.undo_last_call`) the cleaner goes
+  back at once. Without trajectory ids, a batch is taken for the last one
+  again only when its call fails (a repeated batch does not follow its
+  streams), so a new batch that merely starts like the last one is never
+  undone;
 - :mod:`cleanbuf.engine._routing` picks the producer's carry, for batches
   from several producers in turn (a single producer's call skips it);
 - :meth:`Cleaner.flush` releases the held rows at the end of collection.
@@ -53,12 +62,9 @@ from cleanbuf.engine._read import (
     Call,
     Fingerprint,
     Reader,
-    fingerprint_of,
-    stored_rows,
+    SameBatchAgain,
     time_first_hint,
-    with_fingerprint,
 )
-from cleanbuf.engine._retry import Retry
 from cleanbuf.engine._routing import producer_key, route
 from cleanbuf.engine._state import Carry, State, kept_held, same_options
 from cleanbuf.engine._write import (
@@ -116,7 +122,11 @@ class Cleaner:
         # their ids and observations, a batch continuing none starts a new
         # producer. Set once by the filter inside a Ray actor.
         self.many_producers = False
-        self._retry = Retry()  # the last call's undo (see __call__)
+        # The one undo (see the module): the state before the last call, that
+        # call's fingerprint, and whether its rows are known to be stored.
+        self._before: State | None = None
+        self._fingerprint: Fingerprint | None = None
+        self._stored = False
         self._pool = BufferPool() if pool is None else pool  # where large outputs go
         self._reader = Reader(options)
 
@@ -134,19 +144,83 @@ class Cleaner:
         """Cleans one call's batch; returns the rows to store, flat ``[M]``.
 
         A batch that comes again right after its call (its write into the
-        buffer failed, :class:`~cleanbuf.engine._retry.Retry`) is cleaned as
-        if that call had not happened: the rows it released come again.
+        buffer failed) is cleaned as if that call had not happened: the rows
+        it released come again (the undo, see the module). A call that
+        fails leaves the cleaner as it was.
+
+        Examples:
+            >>> import torch
+            >>> from tensordict import TensorDict
+            >>> batch = TensorDict({  # the done row's terminal observation comes next call
+            ...     "observation": torch.tensor([[[0.0], [1.0]]]),
+            ...     ("next", "observation"): torch.tensor([[[1.0], [0.0]]]),
+            ...     ("next", "reward"): torch.ones(1, 2, 1),
+            ...     ("next", "done"): torch.tensor([[[False], [True]]]),
+            ... }, batch_size=[1, 2])
+            >>> cleaner = Cleaner(Options.build("next_step"))
+            >>> len(cleaner(batch)), cleaner.stats["rows_held"]  # the done row waits
+            (1, 1)
+            >>> cleaner.undo_last_call()  # its rows never reached the buffer
+            True
+            >>> cleaner.stats["rows_in"], cleaner.stats["rows_held"]
+            (0, 0)
         """
         if self.options.layout == "time_first" and isinstance(td, TensorDictBase):
             td = time_last(td)
         if isinstance(td, TensorDictBase) and td.batch_dims and td.batch_size[-1] == 0:
             # No row ([E, 0], or no env of a step): nothing to clean, nothing changes.
             return TensorDict({}, batch_size=[0], device=td.device)
-        return self._retry.call(self, td)
+        undo = self.state.snapshot()
+        self._reader.fingerprint = None
+        try:
+            out = self.step(td, self._fingerprint)
+        except (SameBatchAgain, CleanbufError) as err:
+            read = self._reader.fingerprint
+            again = self._before is not None and (
+                isinstance(err, SameBatchAgain) or (read is not None and read.again)
+            )
+            if not again:
+                self.state = undo
+                raise
+            out, undo = self._again(td, undo, err)
+        self._before, self._fingerprint, self._stored = undo, self._reader.fingerprint, False
+        return out
 
-    def step(
-        self, td: TensorDictBase, before: Fingerprint | None
-    ) -> tuple[TensorDictBase, Fingerprint | None]:
+    def _again(self, td: TensorDictBase, undo: State, err: Exception) -> tuple:
+        """The last call's batch again: cleaned from before that call, or refused.
+
+        Returns the rows and the state to undo them to. Refused (the state
+        as ``undo``, before this call) where the last call's rows were
+        stored, or where the batch fails from there too.
+        """
+        before = self._before
+        if self._stored:
+            # The first rows alone may match another batch (a fresh start of
+            # every stream looks the same each time): it is the same batch if
+            # it cleans from where the last call started.
+            self.state = before.snapshot()
+            try:
+                self.step(td, None)
+            except (SameBatchAgain, CleanbufError):
+                same = False
+            else:
+                same = True
+            self.state = undo
+            if same or isinstance(err, SameBatchAgain):
+                raise written_twice() from None
+            raise err
+        self.state = before
+        retry = before.snapshot()
+        try:
+            out = self.step(td, None)
+        except CleanbufError:
+            self.state = undo  # as before this call, which changes nothing
+            if isinstance(err, SameBatchAgain):
+                raise
+            raise err from None
+        return out, retry
+
+    def step(self, td: TensorDictBase, before: Fingerprint | None) -> TensorDictBase:
         """Cleans one batch against the carry of its producer; raises having changed nothing.
 
         Args:
@@ -154,9 +228,9 @@ class Cleaner:
             before: the last call's fingerprint (a batch written again).
 
         Returns:
-            The rows to store and the call's fingerprint (None where the
-            call reads no stream ends). An error carries the fingerprint
-            too, where the call read it (:func:`~cleanbuf.engine._read.fingerprint_of`).
+            The rows to store. The call's fingerprint (None where the call
+            reads no stream ends) is left in ``self._reader.fingerprint``,
+            where a call that fails leaves it too.
         """
         key = None  # one producer: no routing at all
         if self.many_producers or self.options.producer_key is not None:
@@ -169,28 +243,22 @@ class Cleaner:
             hint = time_first_hint(td, self.options)
             if not hint:
                 raise
-            raise with_fingerprint(type(err)(f"{hint} {err}"), fingerprint_of(err)) from None
+            raise type(err)(f"{hint} {err}") from None
 
-    def clean(
-        self, td: TensorDictBase, before: Fingerprint | None = None
-    ) -> tuple[TensorDictBase, Fingerprint | None]:
+    def clean(self, td: TensorDictBase, before: Fingerprint | None = None) -> TensorDictBase:
         """Cleans one batch against ``state.carry``; commits only on success.
 
         Returns what :meth:`step` returns.
         """
         call = self.read(td, before=before)
-        try:
-            if call.as_is:
-                return self._pass_through(call), call.fingerprint
-            plan = self.plan(call)
-            out, new_held = self._move(call, plan)
-            self._patch(call, plan, out, new_held)
-        except CleanbufError as err:
-            with_fingerprint(err, call.fingerprint)
-            raise
+        if call.as_is:
+            return self._pass_through(call)
+        plan = self.plan(call)
+        out, new_held = self._move(call, plan)
+        self._patch(call, plan, out, new_held)
         self.commit(call, plan, new_held)
         n = plan.release.n + len(plan.sel.emit)
-        return as_td(out.tensors, n, call.device), call.fingerprint
+        return as_td(out.tensors, n, call.device)
 
     # ------------------------------------------------------ 1. read and check
     @property
@@ -370,7 +438,8 @@ class Cleaner:
         :class:`~cleanbuf.ContinuityError`), never taken for a retry of a
         failed write.
         """
-        self._retry.stored()
+        if self._before is not None:
+            self._stored = True
 
     def undo_last_call(self) -> bool:
         """Goes back to before the last call, whose rows never reached the buffer.
@@ -378,7 +447,14 @@ class Cleaner:
         The rows that call released are held again, its counters undone.
         Returns whether there was a call to undo.
         """
-        return self._retry.undo(self)
+        if self._before is None or self._stored:
+            return False
+        self.state, self._before, self._fingerprint = self._before, None, None
+        return True
+
+    def _forget_last_call(self) -> None:
+        """No call to repeat or undo (a flush, a loaded state)."""
+        self._before, self._fingerprint, self._stored = None, None, False
 
     def flush(self, on_lost_terminal_obs: str | None = None) -> TensorDictBase:
         """Returns the held rows (flat ``[H]``) and forgets them.
@@ -386,16 +462,16 @@ class Cleaner:
         A held row waits for the row after it: the reset row holding its
         terminal observation (next-step data), or its successor
         (observation-only data). At a flush that row will not come. A held
-        done row whose next observation is stored (read from the data: not
-        zero-filled, not NaN, as an undecided batch-end mark's) is complete
-        and returned as it is; any other held row has
-        lost its next observation, and the lost-observation policy applies
+        done row whose next observation is stored (an undecided batch-end
+        mark's, as the kernel found it when it held the row) is complete
+        and returned as it is; any other held row has lost its next
+        observation, and the lost-observation policy applies
         (counted in ``terminal_obs_missing`` for done rows and
         ``next_obs_missing`` for the others). A reset row arriving after a
         flush is still recognised and dropped. With several producers, every
         producer's held rows, producer after producer.
         """
-        self._retry.forget()  # a flush is no call to repeat
+        self._forget_last_call()  # a flush is no call to repeat
         options = self.options
         if on_lost_terminal_obs is not None:
             if on_lost_terminal_obs not in LOST_POLICIES:
@@ -445,7 +521,7 @@ class Cleaner:
         groups = [Carry.from_state_dict(g) for g in producers]
         stats = _checked_stats(state.get("stats"), groups or [carry])
         self.state = State(carry, groups, dict.fromkeys(STAT_NAMES, 0) | stats)
-        self._retry.forget()
+        self._forget_last_call()
 
     # ----------------------------------------------------------- helpers
     def _commit_layout(self, layout) -> None:
@@ -483,14 +559,15 @@ def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
 
     A held row waits for the row after it: the reset row holding its
     terminal observation (next-step data), or its successor
-    (observation-only data). At a flush that row will not come. A held done
-    row whose next observation is stored (read from the data, as
-    :func:`~cleanbuf.engine._read.stored_rows` reads it: a batch-end mark
-    still undecided, whose next observation is real) is complete and
-    returned as it is; any other held row has lost its next observation,
-    and the lost-observation policy applies (counted in
-    ``terminal_obs_missing`` for done rows and ``next_obs_missing`` for the
-    others). ``carry`` and ``stats`` are updated in place.
+    (observation-only data). At a flush that row will not come. What each
+    held row is was decided by the kernel when it held it, and is in the
+    carry's flags (:meth:`~cleanbuf.engine._state.Carry.held_marks`): a
+    batch-end mark still undecided whose next observation is stored is
+    complete and returned as it is; any other held row (a done row whose
+    terminal observation was not stored, an observation-only row) has lost
+    its next observation, and the lost-observation policy applies (counted
+    in ``terminal_obs_missing`` for done rows and ``next_obs_missing`` for
+    the others). ``carry`` and ``stats`` are updated in place.
     """
     n_held = len(carry.held_stream)
     if n_held == 0:
@@ -499,19 +576,12 @@ def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
     bookkeeping = {k for k in (options.is_init_key, options.step_count_key) if k}
     obs_keys, obs_only = observation_keys(rows, options.observation_keys, bookkeeping)
     done = done_flags(Views(rows, 1, n_held), options.done_key)
-    if obs_only:
-        missing = np.ones(n_held, np.bool_)
-    elif options.terminal_obs_in_done_row:
-        missing = ~done
-    else:
-        stored = stored_rows(Views(rows, 1, n_held), obs_keys, done)
-        missing = ~stored if len(stored) else np.ones(n_held, np.bool_)
-    # A batch-end candidate still undecided, whose next observation is not
-    # stored. Where the producer showed that it marks batch ends (a mark of
-    # the stream turned out to be one), maybe no episode end at all: its
-    # next observation is missing. Else a real end, whose terminal
-    # observation was zero-filled: lost.
-    marked, marks_seen = carry.held_marks()
+    marked, marks_seen, stored = carry.held_marks()
+    missing = ~(marked & stored)
+    # An undecided mark whose next observation is not stored: where the
+    # producer showed that it marks batch ends, maybe no episode end at all
+    # (its next observation is missing); else a real end whose terminal
+    # observation was zero-filled (lost).
     done = done & ~(marked & marks_seen)
     n_terminal = int((missing & done).sum())
     n_next = int((missing & ~done).sum())
@@ -551,3 +621,15 @@ def time_last(td: TensorDictBase) -> TensorDictBase:
     if td.batch_dims > 1:
         return td.permute(*range(1, td.batch_dims), 0)
     return td
+
+
+def written_twice() -> ContinuityError:
+    """The error for a batch that comes again after its rows were stored."""
+    return ContinuityError(
+        "this batch is the one the last call cleaned (the same first row in every stream), "
+        "and that call's rows were stored: it was written twice. Expected the next batch of "
+        "each stream, got the last one again. Write each batch once (a batch whose write "
+        "into the buffer failed may be written again; this one's write succeeded). In a raw "
+        "loop, this is also what a step that does not move on looks like: set obs = next_obs "
+        "after each step. Nothing was written."
+    )

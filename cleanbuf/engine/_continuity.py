@@ -93,7 +93,7 @@ class EndRows:
     side by side, one row a stream (``steps`` 1), so one kernel pass checks
     them all. Either way the carry keeps each key's own rows
     (:meth:`split`), and the rows to compare with are built the same way
-    (:meth:`before`).
+    (``last_next``, ``first_before``, ``ids_before``).
 
     Attributes:
         obs: the rows (or first rows) as words; ``[0, 0]``: no stream ends
@@ -103,6 +103,11 @@ class EndRows:
         ids: the trajectory ids, read like ``obs`` (``[0, 0]``: none).
         open_before: per stream, the last call's last row was open (empty:
             continuity is not checked).
+        last_next: the previous call's last next observations, read as
+            ``next_obs`` (empty where none of the same keys and widths).
+        first_before: the last call's first observations (the
+            fingerprint), read as ``obs``.
+        ids_before: the last call's first trajectory ids, read as ``ids``.
         restart: per row of ``obs``, the row restarts its stream (empty:
             none, or not checked).
 
@@ -113,8 +118,8 @@ class EndRows:
         [3.0, 6.0]
     """
 
-    __slots__ = ("obs", "next_obs", "steps", "ids", "open_before", "restart", "_keys", "_last",
-                 "_first")  # fmt: skip
+    __slots__ = ("obs", "next_obs", "steps", "ids", "open_before", "restart", "last_next",
+                 "first_before", "ids_before", "_keys")  # fmt: skip
 
     @classmethod
     def of(
@@ -141,9 +146,9 @@ class EndRows:
                 stream, to check continuity; None not to check it.
         """
         self = object.__new__(cls)
-        self._last, self._first = before.next_obs, fingerprint
         self.open_before = _NO_FLAGS if restart is None else before.open
         self.obs = self.next_obs = self.ids = _NO_BYTES
+        self.last_next = self.first_before = self.ids_before = _NO_BYTES
         self.steps, self.restart, self._keys = 1, _NO_FLAGS, ()
         if rows is None or not obs_keys:
             return self
@@ -158,6 +163,9 @@ class EndRows:
                 self.obs, self.next_obs, self.ids, self.steps = obs, nxt, ids, steps
                 self._keys = ((key, -1, 0),)
                 self.restart = _NO_FLAGS if restart is None else restart
+                self.last_next = words(before.next_obs.get(key), obs.dtype)
+                self.first_before = words(fingerprint.get(key), obs.dtype)
+                self.ids_before = words(fingerprint.get(TRAJ_IDS), ids.dtype)
                 return self
         firsts, lasts, keys, offset = [], [], [], 0
         for key in obs_keys:
@@ -176,27 +184,21 @@ class EndRows:
             self.ids = ids.view(_WORDS[min(width & -width, 8)] if width else _WORDS[1])
         if restart is not None and len(restart):
             self.restart = restart[::steps].copy()
+        self.last_next = self._joined(before.next_obs)
+        self.first_before = self._joined(fingerprint)
+        self.ids_before = words(fingerprint.get(TRAJ_IDS), self.ids.dtype)
         return self
 
-    def before(self, which: str) -> np.ndarray:
-        """The rows to compare with, as the kernel reads them: "last", "first" or "ids".
+    def _joined(self, rows: dict) -> np.ndarray:
+        """Each key's rows of ``rows`` side by side, as :attr:`obs` reads them.
 
-        The previous call's last next observations, the last call's first
-        observations (the fingerprint), or its first trajectory ids; empty
-        where there are none of the same keys and widths.
+        Empty where some key has none, or rows of another width or count.
         """
-        if which == "ids":
-            return words(self._first.get(TRAJ_IDS), self.ids.dtype)
-        if not self._keys:
-            return _NO_WORDS[self.obs.dtype]
-        rows = self._last if which == "last" else self._first
-        if len(self._keys) == 1 and self._keys[0][1] < 0:
-            return words(rows.get(self._keys[0][0]), self.obs.dtype)
         parts = []
         for key, _, width in self._keys:
             x = rows.get(key)
             if x is None or x.ndim != 2 or not x.flags.c_contiguous:
-                return _NO_WORDS[self.obs.dtype]
+                return _NO_WORDS[self.obs.dtype]  # (a state of other keys: nothing to compare)
             x = x.view(np.uint8)
             if x.shape[1] != width or (parts and len(x) != len(parts[0])):
                 return _NO_WORDS[self.obs.dtype]

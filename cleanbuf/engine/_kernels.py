@@ -656,12 +656,12 @@ def plan_rows(n, steps, stream, done, stored, joint, group, final_ok, final_defa
 def one_pass(n, steps, stream, done, fills, floating, signed, stored, joint, group, final_ok,
              final_default, reward, restart, terminated, truncated, marks, obs, next_obs,
              ends_steps, last_next, first_before, open_before, ends_restart, ids, ids_before,
-             carry, reset_rows, successor, final, stitch, hold_done, drop_lost,
-             planned):  # fmt: skip
+             carry, reset_rows, successor, final, stitch, hold_done, drop_lost):  # fmt: skip
     """Everything a call decides, in one call from Python.
 
     Its stream ends, which done rows hold their next observation, and its
-    plan.
+    plan. (A call with nothing to clean, whose rows pass through, needs no
+    plan: it runs :func:`stream_ends` alone.)
 
     :func:`stream_ends` (skipped where ``obs`` is empty: observation-only
     rows, flat rows with a stream key), then which done rows hold their next
@@ -711,9 +711,6 @@ def one_pass(n, steps, stream, done, fills, floating, signed, stored, joint, gro
         stitch: as :func:`plan`.
         hold_done: as :func:`plan`.
         drop_lost: as :func:`select_rows`.
-        planned: plan the rows; False for a call with nothing to clean
-            (its rows pass through): the plan is then empty and only the
-            stream ends are read.
 
     Returns:
         ``(ends, planned)``: :func:`stream_ends`'s results (empty arrays,
@@ -726,8 +723,7 @@ def one_pass(n, steps, stream, done, fills, floating, signed, stored, joint, gro
         none = np.empty((0, obs.shape[1]), obs.dtype)
         ends = (none, none.copy(), np.zeros(0, np.uint8), False, -1,
                 np.empty((0, ids.shape[1]), ids.dtype))  # fmt: skip
-    m = n if planned else 0
-    if fills.shape[0] > 0 and m > 0:
+    if fills.shape[0] > 0:
         n_done = 0
         for i in range(n):
             n_done += done[i]
@@ -744,12 +740,12 @@ def one_pass(n, steps, stream, done, fills, floating, signed, stored, joint, gro
             read_fills(fills, done_rows, floating, signed, zero, nan)
             for j in range(n_done):
                 stored[done_rows[j]] = not (zero[j] or nan[j])
-    rows = plan_rows(
-        m, steps, stream[:m], done[:m], stored[:m], joint[:m], group, final_ok[:m],
-        final_default, reward[:m], restart[:m], terminated[:m], truncated[:m], marks, ends[2],
-        carry, reset_rows, successor, final, stitch, hold_done, drop_lost,
+    planned = plan_rows(
+        n, steps, stream, done, stored, joint, group, final_ok, final_default, reward, restart,
+        terminated, truncated, marks, ends[2], carry, reset_rows, successor, final, stitch,
+        hold_done, drop_lost,
     )  # fmt: skip
-    return ends, rows
+    return ends, planned
 
 
 class Rules(NamedTuple):

@@ -4,10 +4,10 @@ read -> plan -> write, over a :class:`~cleanbuf.engine._state.Carry`.
 :meth:`Reader.read` turns a batch into a :class:`Call`: its layout (which
 rows belong to which stream, :func:`resolve`), its leaves as rows, its
 done, restart, reward and joint flags, its observation keys and final
-entries, its stream ends (one :func:`~cleanbuf.engine._continuity.read_ends`
-kernel pass) and its fingerprint (a batch written again), and every check
-a call must pass, each naming the key, what was expected, what came and
-the fix. Reading changes nothing.
+entries, its stream ends and its plan (one
+:func:`~cleanbuf.engine._kernels.one_pass` kernel call), its fingerprint (a
+batch written again), and every check a call must pass, each naming the
+key, what was expected, what came and the fix. Reading changes nothing.
 
 What depends on the batch's layout and key set (the row-to-stream map, the
 observation keys, the reset groups, the rules) is worked out once and
@@ -32,17 +32,17 @@ already moved on: the held rows it released in that call, and its flags,
 belong to rows that never reached the buffer. A user who writes the same
 batch again gets those rows again: the cleaner keeps what it was before its
 last call, and when a call brings that call's batch again it goes back to
-it first (:mod:`cleanbuf.engine._retry`). The fingerprint travels with the
-call (``call.fingerprint``), and with the error of a call that fails
-(:func:`fingerprint_of`).
+it first (the undo of :class:`cleanbuf.engine._cleaner.Cleaner`). The
+fingerprint travels with the call (``call.fingerprint``), and stays with the
+reader (``Reader.fingerprint``) when the call fails.
 
 The batch is recognised by the first row of each stream: its observation,
 and its trajectory id where the rows have TorchRL's
 ``("collector", "traj_ids")`` (read with the stream ends,
-:func:`cleanbuf.engine._continuity.read_ends`). With trajectory ids it is
+in the same kernel pass as the stream ends). With trajectory ids it is
 checked on every call. Where the filter sees that the last call's rows
 reached the buffer
-(:meth:`cleanbuf.engine._retry.Retry.stored`), the same batch
+(:meth:`cleanbuf.engine._cleaner.Cleaner.last_call_stored`), the same batch
 again is a duplicate and raises :class:`~cleanbuf.ContinuityError`. An
 id alone is not enough: a stream keeps its id for a whole episode, so two
 batches in a row start with the same ids whenever
@@ -59,7 +59,6 @@ its start; such a repeat is not recognised.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -69,7 +68,6 @@ from tensordict import TensorDictBase
 
 from cleanbuf.engine._continuity import NO_ENDS, CallEnds, EndRows, LastRows, check
 from cleanbuf.engine._errors import (
-    ContinuityError,
     InputError,
     LayoutError,
     key_name,
@@ -82,6 +80,7 @@ from cleanbuf.engine._kernels import (
     Rules,
     one_pass,
     read_fills,
+    stream_ends,
 )
 from cleanbuf.engine._keys import (
     FINAL_KEYS,
@@ -138,16 +137,6 @@ class CallLayout:
     def __post_init__(self):
         # The number of streams (the product of ``stream_shape``).
         object.__setattr__(self, "n_streams", int(np.prod(self.stream_shape, dtype=np.int64)))
-
-    @functools.cached_property
-    def first_rows(self) -> np.ndarray:
-        """The first row of each stream (time-aligned layouts)."""
-        return np.arange(0, self.n_rows, self.steps)
-
-    @functools.cached_property
-    def last_rows(self) -> np.ndarray:
-        """The last row of each stream (time-aligned layouts)."""
-        return np.arange(self.steps - 1, self.n_rows, self.steps)
 
     def stream_of(self, rows: np.ndarray) -> np.ndarray:
         """The dense stream index of the given flat rows."""
@@ -535,22 +524,6 @@ class SameBatchAgain(Exception):
     """Raised inside the cleaner when a call brings the last call's batch again."""
 
 
-def with_fingerprint(err: Exception, fingerprint: Fingerprint | None) -> Exception:
-    """``err``, carrying the fingerprint of the call that raised it (see :func:`fingerprint_of`).
-
-    The retry rule (:mod:`cleanbuf.engine._retry`) reads it: a failed
-    call whose batch is the last call's again is retried from before
-    that call.
-    """
-    err.fingerprint = fingerprint
-    return err
-
-
-def fingerprint_of(err: Exception) -> Fingerprint | None:
-    """The fingerprint a failed call's error carries (None: it raised before reading it)."""
-    return getattr(err, "fingerprint", None)
-
-
 class Fingerprint(NamedTuple):
     """The first row of each stream of a time-aligned call.
 
@@ -730,6 +703,9 @@ class Reader:
         self.options = options
         self._layouts: dict = {}  # (batch size, names) -> CallLayout, for the fixed layouts
         self._schemas: dict = {}  # structure -> Schema
+        # The fingerprint of the last read that got that far (a call that
+        # fails leaves it here: the cleaner's undo reads it).
+        self.fingerprint: Fingerprint | None = None
 
     def read(
         self,
@@ -809,13 +785,9 @@ class Reader:
         return call
 
     def _check_ends(self, call: Call) -> None:
-        """The continuity check of the stream ends read; its error carries the fingerprint."""
+        """The continuity check of the stream ends read."""
         if call.ends is not None:
-            try:
-                check(call.ends, call.obs_keys)
-            except ContinuityError as err:
-                with_fingerprint(err, call.fingerprint)
-                raise
+            check(call.ends, call.obs_keys)
 
     def _schema(self, layout: CallLayout, views: Views, batch_dims: int) -> Schema:
         """The schema of the batch's structure: cached, else built with every check."""
@@ -832,6 +804,9 @@ class Reader:
 
     def _run_kernel(self, call: Call, carry: Carry, before: Fingerprint | None, plan: bool) -> None:
         """Reads the stream ends and plans the call in one kernel call (:func:`one_pass`).
+
+        Without ``plan`` (nothing to clean) the kernel call is
+        :func:`stream_ends` alone.
 
         Sets ``call.ends`` (time-aligned full transitions: the other calls
         have no stream ends), ``call.fingerprint`` and ``call.planned``
@@ -859,21 +834,26 @@ class Reader:
                 {} if before is None else before.rows, schema.exact,
                 call.restart if opts.check_continuity else None,
             )  # fmt: skip
-        first_before = ends.before("first")
-        k_ends, planned = one_pass(
-            n, layout.steps, layout.stream, done, fills, fills.dtype.kind == "f",
-            fills.dtype.kind == "i", stored, joint_rows(opts, views, done) if plan else NONE,
-            schema.group, NONE if call.final_present is None else call.final_present,
-            bool(call.final_of), reward_rows(opts, views) if plan else NONE, call.restart,
-            row_flags_or_none(views, ("next", "terminated")) if marks and plan else NONE,
-            row_flags_or_none(views, ("next", "truncated")) if marks and plan else NONE,
-            marks, ends.obs, ends.next_obs, ends.steps, ends.before("last"), first_before,
-            ends.open_before, ends.restart, ends.ids, ends.before("ids"), call.carry.per_stream,
-            rules.reset_rows, rules.successor, rules.final, rules.stitch, rules.hold_done,
-            rules.drop_lost, plan,
-        )  # fmt: skip
-        if plan:
-            call.planned = planned
+        if not plan:  # nothing to clean: the stream ends alone
+            if not len(ends.obs):
+                return
+            k_ends = stream_ends(
+                ends.obs, ends.next_obs, ends.steps, ends.last_next, ends.first_before,
+                ends.open_before, ends.restart, ends.ids, ends.ids_before,
+            )  # fmt: skip
+        else:
+            k_ends, call.planned = one_pass(
+                n, layout.steps, layout.stream, done, fills, fills.dtype.kind == "f",
+                fills.dtype.kind == "i", stored, joint_rows(opts, views, done), schema.group,
+                NONE if call.final_present is None else call.final_present,
+                bool(call.final_of), reward_rows(opts, views), call.restart,
+                row_flags_or_none(views, ("next", "terminated")) if marks else NONE,
+                row_flags_or_none(views, ("next", "truncated")) if marks else NONE,
+                marks, ends.obs, ends.next_obs, ends.steps, ends.last_next, ends.first_before,
+                ends.open_before, ends.restart, ends.ids, ends.ids_before,
+                call.carry.per_stream, rules.reset_rows, rules.successor, rules.final,
+                rules.stitch, rules.hold_done, rules.drop_lost,
+            )  # fmt: skip
         if not len(ends.obs):  # no stream ends: observation-only rows, flat rows
             return
         first_k, last_k, cont, same, broken, first_ids = k_ends
@@ -882,7 +862,7 @@ class Reader:
             first[TRAJ_IDS] = first_ids
         fingerprint = {} if before is None else before.rows
         repeats = bool(fingerprint) and same and fingerprint.keys() == first.keys()
-        call.fingerprint = Fingerprint(schema.exact, first, repeats)
+        call.fingerprint = self.fingerprint = Fingerprint(schema.exact, first, repeats)
         if schema.exact and repeats:
             raise SameBatchAgain
         open_now = ~done[layout.steps - 1 :: layout.steps]

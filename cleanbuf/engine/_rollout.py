@@ -45,7 +45,6 @@ from cleanbuf.engine._kernels import RELEASED_AS_IS, RELEASED_LOST
 from cleanbuf.engine._keys import DONE_KEYS, Views, done_flags, observation_keys
 from cleanbuf.engine._options import Options
 from cleanbuf.engine._plan import lost_policy
-from cleanbuf.engine._read import stored_rows
 from cleanbuf.engine._write import fill_rows, fix_bookkeeping, set_rows, take_rows
 
 # What each returned row is (int8 per row).
@@ -323,8 +322,8 @@ class Rollouts:
 
         Its done rows still waiting for their reset row lose their terminal
         observation (the lost-observation policy applies, counted), unless
-        their next observation is stored (a batch-end mark still undecided:
-        returned as it is).
+        their next observation is stored (a batch-end mark still undecided,
+        as the kernel found it when it held the row: returned as it is).
         """
         if self._held is None:
             return None
@@ -334,9 +333,8 @@ class Rollouts:
             held, opts = self._held, self.options
             bookkeeping = {k for k in (opts.is_init_key, opts.step_count_key) if k}
             keys = observation_keys(held.tensors, opts.observation_keys, bookkeeping)[0]
-            waiting = Views(carry.held, 1, len(streams))
-            stored = stored_rows(waiting, keys, done_flags(waiting, opts.done_key))
-            lost = streams[~stored] if len(stored) else streams
+            marked, _, stored = carry.held_marks()  # (as the kernel found them)
+            lost = streams[~(marked & stored)]
             policy = lost_policy(opts, keys, held.tensors, len(lost), False)
             self.cleaner.flush()  # forgets its held rows (ours are the ones returned)
             self._lost(held, lost, keys, policy)

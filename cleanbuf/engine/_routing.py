@@ -25,7 +25,7 @@ from cleanbuf.engine._state import Carry
 
 def route(
     cleaner: Any, td: TensorDictBase, key: tuple, before: Fingerprint | None
-) -> tuple[TensorDictBase, Fingerprint | None]:
+) -> TensorDictBase:
     """Cleans ``td`` against the carry of its producer; returns ``cleaner.clean``'s result.
 
     The batch goes to the first producer it continues (:func:`candidates`);
@@ -69,7 +69,7 @@ def route(
 
 def _clean_as(
     cleaner: Any, producer: int, td: TensorDictBase, before: Fingerprint | None
-) -> tuple[TensorDictBase, Fingerprint | None]:
+) -> TensorDictBase:
     """``cleaner.clean`` against producer ``producer``'s carry (a new one past the last)."""
     producers = cleaner.state.producers
     cleaner.state.carry = producers[producer] if producer < len(producers) else Carry()

@@ -42,6 +42,7 @@ from cleanbuf.engine._kernels import (
     NEED_INIT,
     PENDING,
     SHIFT,
+    STORED,
     WAITING,
 )
 from cleanbuf.engine._options import Options
@@ -172,21 +173,27 @@ class Carry:
         out.per_stream[PENDING, self.n_streams :] = 1
         return out
 
-    def held_marks(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per held row: whether its end is an undecided mark, and whether marks were seen.
+    def held_marks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per held row: an undecided mark, marks seen, and its next observation stored.
 
         The first array says whether the held row's end is an undecided
         batch-end mark; the second whether its producer showed that it marks
-        batch ends (a mark of that stream turned out to be one).
+        batch ends (a mark of that stream turned out to be one); the third
+        whether the mark's next observation is stored (the kernel read it
+        when it held the row; only a mark is held with it stored).
 
         Examples:
             >>> carry = Carry().grown(1)
             >>> carry.held_stream = np.array([0])
             >>> [a.tolist() for a in carry.held_marks()]
-            [[False], [False]]
+            [[False], [False], [False]]
         """
         flags = self.per_stream[MARKED][self.held_stream]
-        return (flags & (MARK | JOINT_MARK)) != 0, (flags & MARKS_SEEN) != 0
+        return (
+            (flags & (MARK | JOINT_MARK)) != 0,
+            (flags & MARKS_SEEN) != 0,
+            (flags & STORED) != 0,
+        )
 
     def flushed(self) -> None:
         """Forgets the held rows: no row is held, none waits."""

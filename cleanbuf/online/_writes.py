@@ -17,7 +17,7 @@ the count moved since its last call returned rows:
   stores them, and another batch is refused as a skipped one;
 - unknown (another writer, a consuming buffer, copies of the filter in
   worker processes or Ray actors): the cleaner's own rule stays
-  (:class:`cleanbuf.engine._retry.Retry`).
+  (the undo of :class:`cleanbuf.engine._cleaner.Cleaner`).
 
 No row of the storage is read.
 """
