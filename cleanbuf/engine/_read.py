@@ -14,8 +14,8 @@ observation keys, the reset groups, the rules) is worked out once and
 cached; per call there remain the flag views, the stream ends and the
 checks that compare them with the carry.
 
-Layouts. A layout turns a batch into flat rows (C order over the batch dimensions) and
-gives each row a dense stream index. Three layouts exist:
+Layouts. A layout turns a batch into flat rows (C order over the batch
+dimensions) and gives each row a dense stream index. Three layouts exist:
 
 * ``time_last``: batch ``[*E, T]``; each index of ``*E`` is a stream, stable
   across calls. A 1-D batch named ``["time"]``, or of length one (what
@@ -23,37 +23,22 @@ gives each row a dense stream index. Three layouts exist:
 * ``step``: batch ``[E]``; each call is one step of ``E`` streams.
 * ``stream_key``: batch ``[N]``; a per-row key holds the stream id.
 
-Flags. Each returns a numpy array with one entry per row of the call, or an empty
-array when the call has nothing of that kind (the kernel then skips it).
+Flags. Each returns a numpy array with one entry per row of the call, or an
+empty array when the call has nothing of that kind (the kernel then skips it).
 
-A batch written again. A replay buffer runs the filter, then writes what the filter returned. If
-that write fails (a full disk, a storage that raises), the filter has
-already moved on: the held rows it released in that call, and its flags,
-belong to rows that never reached the buffer. A user who writes the same
-batch again gets those rows again: the cleaner keeps what it was before its
-last call, and when a call brings that call's batch again it goes back to
-it first (the undo of :class:`cleanbuf.engine._cleaner.Cleaner`). The
-fingerprint travels with the call (``call.fingerprint``), and stays with the
-reader (``Reader.fingerprint``) when the call fails.
-
-The batch is recognised by the first row of each stream: its observation,
-and its trajectory id where the rows have TorchRL's
-``("collector", "traj_ids")`` (read with the stream ends,
-in the same kernel pass as the stream ends). With trajectory ids it is
-checked on every call. Where the filter sees that the last call's rows
-reached the buffer
-(:meth:`cleanbuf.engine._cleaner.Cleaner.last_call_stored`), the same batch
-again is a duplicate and raises :class:`~cleanbuf.ContinuityError`. An
-id alone is not enough: a stream keeps its id for a whole episode, so two
-batches in a row start with the same ids whenever
-no episode ended between their starts (every batch of a 200-step Pendulum
-episode collected 8 steps at a time). The observation tells them apart: the
-next batch starts where the last one ended. Only an env whose observation
-did not change over a whole batch, in every stream, looks the same. Without
-trajectory ids the fingerprint is checked only when the call fails: a
-repeated batch does not follow the streams, so the continuity check or the
-reset-row check refuses it, unless every stream ended or restarted right at
-its start; such a repeat is not recognised.
+The fingerprint. The first row of each stream (its observation, and its
+trajectory id where the rows have TorchRL's ``("collector", "traj_ids")``),
+read in the same kernel pass as the stream ends and compared there with the
+last call's: how the cleaner's one undo recognises a batch written again
+(:class:`cleanbuf.engine._cleaner.Cleaner`). It travels with the call
+(``call.fingerprint``) and stays with the reader (``Reader.fingerprint``)
+when the call fails. With trajectory ids a batch again is recognised on
+every call; an id alone is not enough (a stream keeps its id for a whole
+episode), so the observation must match too. Without trajectory ids the
+fingerprint is read only when the call fails: a repeated batch does not
+follow its streams, so the continuity or the reset-row check refuses it,
+unless every stream ended or restarted right at its start; such a repeat is
+not recognised.
 """
 
 from __future__ import annotations
