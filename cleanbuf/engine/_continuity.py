@@ -1,29 +1,15 @@
 """Stream ends: what each call's first and last rows say, read in one kernel pass.
 
-Part of the read step (read -> plan -> write): the facts a call's read
-compares with the state's last rows (:class:`LastRows`, kept in the
-:class:`~cleanbuf.engine._state.Carry`).
+Part of the read step (read -> plan -> write): what a call compares with the
+carry's last rows (:class:`LastRows`). See docs/rules.md, "Streams across
+calls". The same first rows decide batch-end marks and are the fingerprint
+of a batch written again (:class:`cleanbuf.engine._read.Fingerprint`); the
+kernel is :func:`~cleanbuf.engine._kernels.stream_ends`, inside
+:func:`~cleanbuf.engine._kernels.one_pass`.
 
-Within a stream, a row's stored next observation is the next row's
-observation, byte for byte, unless the row ended an episode. So the first
-row of a stream in a call must have, as its observation, the next
-observation of the previous call's last row of that stream, unless that row
-was done or the first row restarts the stream (``is_init``). A mismatch
-means the rows are not the stream the filter thinks: another producer's
-batch (a ``MultiAsyncCollector`` yields its workers' batches in turn), a
-skipped or repeated batch, or a reset the rows do not show.
-
-The same comparison decides a collector's batch-end mark (a first row that
-continues its stream after a done row means the done flag was only a mark),
-and the first rows are the fingerprint that recognises a batch written again
-(:class:`cleanbuf.engine._read.Fingerprint`). :func:`read_ends` reads all
-three, and the continuity check, with one
-:func:`~cleanbuf.engine._kernels.stream_ends` call per observation key,
-over the rows' bytes (the trajectory ids ride along with the first key).
-
-It needs time-aligned streams (``time_last`` and ``step`` layouts) and full
-transitions (observation-only rows have no next observation to compare;
-their held rows take the next call's first row as it is).
+Only time-aligned streams (``time_last``, ``step``) with full transitions
+have stream ends: observation-only rows have no next observation to
+compare (their held rows take the next call's first row as it is).
 """
 
 from __future__ import annotations
@@ -45,9 +31,6 @@ _NO_FLAGS.flags.writeable = False
 
 class LastRows(NamedTuple):
     """Per stream, what the stream's next row must continue (part of the carry).
-
-    (Named tuples: a call builds them, where a frozen dataclass costs
-    several times more.)
 
     Attributes:
         next_obs: observation key -> the stored next observation of the
@@ -86,14 +69,12 @@ class CallEnds(NamedTuple):
 class EndRows:
     """A call's stream ends as :func:`~cleanbuf.engine._kernels.one_pass` reads them.
 
-    One observation key whose rows numpy views whole (the common case): the
-    rows themselves, as words, ``steps`` rows a stream. Any other call
-    (several keys, rows on another device or not contiguous): each
-    stream's first observation and last next observation, every key's bytes
-    side by side, one row a stream (``steps`` 1), so one kernel pass checks
-    them all. Either way the carry keeps each key's own rows
-    (:meth:`split`), and the rows to compare with are built the same way
-    (``last_next``, ``first_before``, ``ids_before``).
+    One observation key that numpy views whole: the rows themselves, as
+    words, ``steps`` rows a stream. Otherwise (several keys, another device,
+    not contiguous): each stream's first observation and last next
+    observation, every key's bytes side by side, one row a stream. Either way
+    the carry keeps each key's own rows (:meth:`split`), and the rows to
+    compare with are read the same way.
 
     Attributes:
         obs: the rows (or first rows) as words; ``[0, 0]``: no stream ends
@@ -239,8 +220,8 @@ def check(ends: CallEnds, obs_keys: list) -> None:
     """Raises unless each stream's first row in a call continues its last row.
 
     Args:
-        ends: the call's stream ends, read with the continuity check
-            (:func:`read_ends` given ``restart``).
+        ends: the call's stream ends, read with the continuity check (a
+            ``restart`` given to :meth:`EndRows.of`).
         obs_keys: the observation keys (for the message).
 
     Raises:
@@ -284,10 +265,9 @@ def as_bytes(x) -> np.ndarray:
 def row_words(rows: Views, key: tuple, next_key: tuple, steps: int) -> tuple:
     """The words of ``rows[key]`` and ``rows[next_key]``, and the rows per stream.
 
-    Each row's bytes are viewed as the widest unsigned word that divides
-    them (:func:`words`). The numpy views of the whole call where the rows
-    have them (no copy); else (another device, a dtype numpy lacks) copies
-    of just the first and the last rows, read as one row per stream.
+    Each row's bytes viewed as the widest unsigned word that divides them:
+    numpy views of the whole call where the rows have them (no copy); else
+    copies of just the first and the last rows, one row per stream.
     """
     a, b = rows[key], rows[next_key]
     if (
@@ -321,8 +301,7 @@ def words(x: np.ndarray | None, word: np.dtype) -> np.ndarray:
     """Rows of bytes ``[R, B]`` (or of other words) viewed as unsigned words ``word``.
 
     Empty (``[0, 0]``) for None, or where ``B`` is not a whole number of
-    words (such rows differ in width from any rows of that word: they
-    compare as different).
+    words (then they compare as different from any rows of that word).
 
     Examples:
         >>> words(np.arange(8, dtype=np.uint8).reshape(1, 8), np.dtype(np.uint32)).shape

@@ -1,30 +1,25 @@
 """numba kernels on plain arrays: one call's stream ends, planning scan and row selection.
 
-Every call runs one kernel, :func:`one_pass` (the read step,
-:meth:`cleanbuf.engine._read.Reader.read`, fills its arrays); the plan step
-(:mod:`cleanbuf.engine._plan`) names its result (:class:`KernelResult`).
-Nothing here knows about TensorDicts, keys or torch. Validation happens in the Python
-callers (``_read.py``, ``_plan.py``) before a kernel runs; the kernels assume
-well-formed input and never raise. They are checked against
-the row-by-row reference cleaner in ``tests/reference.py`` on random
-streams.
+Every call runs one kernel, :func:`one_pass`, on arrays the read step
+(:meth:`cleanbuf.engine._read.Reader.read`) fills; :mod:`cleanbuf.engine._plan`
+names its result (:class:`KernelResult`). No TensorDicts, keys or torch here.
+The Python callers validate the input; the kernels assume it well-formed and
+never raise. ``tests/reference.py`` (a row-by-row cleaner) checks them.
 
-Row codes written by :func:`plan` (one byte per input row, the low three
-bits; two more bits carry the bookkeeping fixes):
+Row codes written by :func:`plan` (the low three bits of one byte per row;
+``INIT_BIT`` and ``SHIFT_BIT`` carry the bookkeeping fixes):
 
-* ``EMIT``: a transition emitted in this call as it is.
-* ``DROP``: a reset row (next-step mode: the artifact after a done row).
-* ``HOLD``: a row waiting for its next observation's source, which is not in
-  this call (its successor row, or for a done row its reset row); held in the
-  carry state until a later call (or ``flush``) releases it.
-* ``STITCHED``: a row whose next observation comes from a later row of this
-  call (``next_src``), emitted.
-* ``LOST``: a row whose next observation is gone (a done row after
-  TorchRL's joint reset in next-step mode, unless its next observation is
-  ``stored``; no final observation in same-step mode; a row whose
-  successor is a restart).
-* ``FINAL``: a same-step done row whose next observation is its own
-  final-observation entry, emitted.
+* ``EMIT``: emitted as it is.
+* ``DROP``: a reset row.
+* ``HOLD``: waits in the carry for its next observation's source, not in this
+  call (its successor, or a done row's reset row), until a later call or
+  ``flush``.
+* ``STITCHED``: emitted, its next observation from a later row of this call
+  (``next_src``).
+* ``LOST``: emitted (or dropped), its next observation gone: a joint-reset
+  done row not ``stored``, a same-step done row without a final
+  observation, a row whose successor is a restart.
+* ``FINAL``: a same-step done row, its next observation its final entry.
 
 The flags of :func:`plan` select the mode:
 
@@ -38,9 +33,7 @@ same-step                0           0          1      1       0
 same-step, obs-only      0           1          1      1       0
 =======================  ==========  =========  =====  ======  =========
 
-.. [*] A done row whose ``stored`` flag is set (its next observation is its
-   terminal observation, as raw Gymnasium and EnvPool loops write it) is
-   complete and emitted at once; only its reset row is dropped when it comes.
+.. [*] Except a ``stored`` done row: emitted at once (docs/rules.md, "Core rule").
 """
 
 from __future__ import annotations
@@ -59,16 +52,13 @@ HOLD = 2
 STITCHED = 3
 LOST = 4
 FINAL = 5
-# Each row's code byte also carries two bookkeeping bits.
 CODE_MASK = 7
 INIT_BIT = 8  # set is_init on this row
 SHIFT_BIT = 16  # subtract 1 from this row's step counts
 # The rows of the carry state (int64[5, S], see plan).
 PENDING, WAITING, NEED_INIT, SHIFT, MARKED = range(5)
-# The values of the carry's MARKED row: an undecided mark (its group done with
-# it or not), a bit kept once a stream showed that its producer marks, and a
-# bit set while the undecided mark's next observation is stored (complete as
-# it is, whatever the next row says).
+# MARKED bits: an undecided mark (its group done with it or not), the stream's producer
+# marks, the undecided mark's next observation is stored (complete whatever comes next).
 MARK, JOINT_MARK, MARKS_SEEN, STORED = 1, 2, 4, 8
 # The values of plan's marks: which batch-end rows may be a collector's mark.
 NO_MARKS, ANY_MARKS, UNSTORED_MARKS = 0, 1, 2
@@ -87,102 +77,71 @@ def plan(n, steps, stream, done, stored, joint, group, final_ok, final_default, 
          hold_done):  # fmt: skip
     """Plans one call from flags and the carry state, in one pass over the rows.
 
-    It reads one flag byte per row (plus the reward where the reset-row check
-    is on) and writes one code byte per row, so it runs at memory speed
-    whatever the observations are.
+    Reads flag bytes only (and the reward, for the reset-row check), never
+    observations.
 
     Args:
         n: rows in the call.
-        steps: rows per stream in time-last order (row ``i`` belongs to stream
+        steps: rows per stream in time-last order (row ``i`` is in stream
             ``i // steps``); 0 to read ``stream`` instead.
-        stream: int64[N] dense stream index of each row (0 <= s < S), used
-            when ``steps`` is 0. Rows of one stream are in time order;
-            streams may interleave freely.
+        stream: int64[N] stream index of each row (0 <= s < S), read when
+            ``steps`` is 0; rows of a stream in time order, streams interleaved.
         done: bool[N], the row ends an episode.
         stored: bool[N] or empty (none): per done row, its next observation
-            is stored (neither zero-filled nor NaN-filled: see
-            :func:`cleanbuf.engine._read.stored_rows`), so it is the
-            terminal observation. Next-step mode: such a row needs no reset
-            row to complete it; it is emitted at once (a batch-end mark
-            candidate is held to be decided, and kept as stored whatever is
-            decided), is never lost (not at a restart, not at a joint
-            reset), and only its reset row is dropped when it comes.
+            is stored, so it is the terminal one (neither zero- nor NaN-filled:
+            :func:`cleanbuf.engine._read.stored_rows`; docs/rules.md, "Core rule").
         joint: bool[N] or empty: a done row at a step where its whole reset
-            group is done, so no reset row follows it (next-step mode), as
-            given with flat rows (``joint_key``).
-        group: time-last rows: the reset group size (that many consecutive
-            streams reset together when all are done at one step, TorchRL's
-            joint reset), read from the done flags here; 0 for none.
+            group is done, so no reset row follows (flat rows: ``joint_key``).
+        group: time-last rows: the reset group size (consecutive streams reset
+            together when all are done at one step), read from ``done``; 0: none.
         final_ok: bool[N] or empty (then ``final_default`` for every row):
             the row's final-observation entry is present (same-step mode).
         final_default: see ``final_ok``.
-        reward: numeric[N] or empty (check off): nonzero where the reward is
-            not exactly zero (the reset-row check).
-        restart: bool[N] or empty: the row comes after a real reset of its
-            env (``is_init``). Where the stream expects no reset row, or
-            where the stream's first row in the call fails the reset-row
-            check (a collector reset between calls), the row restarts the
-            stream: a row waiting for its next observation has lost it, and
-            nothing of the old episode carries over.
-        terminated: bool[N] or empty: the rows' terminated flags (read
-            for batch-end marks only).
-        truncated: bool[N] or empty: their truncated flags (the same).
-        marks: time-last rows: a done, truncated, not terminated row on the
-            call's last step may be only a collector's batch-end mark
-            (TorchRL ``set_truncated=True``). It is held undecided, and its
-            stream's next row decides: a restart (``restart`` where the rows
-            have it, else a first row that does not continue the stream,
-            ``cont``) means a real episode end, any other row means it was
-            only a mark and the row is complete as stored. ``NO_MARKS``
-            (False): none; ``ANY_MARKS`` (True): any such row (TorchRL
-            collector batches, which carry trajectory ids);
-            ``UNSTORED_MARKS``: only one whose next observation is not
-            ``stored`` (other rows: a producer that writes no trajectory
-            ids is no collector and never marks, so its stored batch-end
-            truncation, as a raw loop writes it, is a real end; a
-            zero-filled one is held and decided either way).
+        reward: numeric[N] or empty (check off): the reset-row check's rewards
+            (a reset row's must be exactly 0).
+        restart: bool[N] or empty: the row follows a real reset (``is_init``).
+            It restarts the stream where no reset row is expected, or where it
+            is the stream's first row in the call and fails the reset-row check
+            (a collector reset between calls): a waiting row's next observation
+            is then lost, and nothing of the old episode carries over.
+        terminated: bool[N] or empty: the terminated flags (marks only).
+        truncated: bool[N] or empty: the truncated flags (marks only).
+        marks: time-last rows: which done, truncated, not terminated rows on
+            the call's last step may be a collector's batch-end mark, held
+            undecided until the stream's next row (``restart``, else ``cont``)
+            decides (docs/rules.md, "Batch-end marks"). ``NO_MARKS`` (False):
+            none; ``ANY_MARKS`` (True): any (rows with trajectory ids);
+            ``UNSTORED_MARKS``: only those not ``stored`` (rows without ids).
         cont: uint8[S] or empty: per stream, 1 where this call's first row
-            continues the last call's last row (its observation equals that
-            row's stored next observation, byte for byte).
-        carry: int64[5, S], the carry state per stream, one row each (0 or
-            1): ``PENDING``, a reset row comes next in the stream;
-            ``WAITING``, the stream's held row waits for the next row of the
-            stream; ``NEED_INIT``, the next kept row starts an episode that
-            an auto-reset began (its ``is_init`` must be set); ``SHIFT``,
-            the stream's current episode began with a dropped reset row (its
-            step counts are one too high); ``MARKED``, the pending done row
-            is an undecided mark (``MARK``, or ``JOINT_MARK``: its whole
-            reset group was done with it, so a real end is a joint reset,
-            after which no reset row comes), plus ``MARKS_SEEN`` once a mark
-            of the stream turned out to be only a mark.
+            continues the last call's last row (observation equal, byte for byte).
+        carry: int64[5, S], per stream: ``PENDING``, a reset row comes next;
+            ``WAITING``, the held row waits for the stream's next row;
+            ``NEED_INIT``, the next kept row gets ``is_init``; ``SHIFT``, the
+            episode began with a dropped reset row (step counts one too high);
+            ``MARKED``, bits: the pending done row is an undecided mark
+            (``MARK``; ``JOINT_MARK``: its whole group was done with it, so a
+            real end is a joint reset), ``MARKS_SEEN`` (a mark of the stream
+            was only a mark), ``STORED``. The others are 0 or 1.
         reset_rows: next-step mode: a reset row follows each non-joint done row.
-        successor: observation-only data: each row's next observation is the
-            next row's observation (or, with ``final``, a done row's final
-            entry).
-        final: same-step mode: a done row's next observation is its final
-            entry.
-        stitch: next observations are written (False: compact output, where
-            no row waits).
-        hold_done: next-step mode: a done row whose terminal observation is
-            not ``stored`` waits for its reset row (whose observation is its
-            terminal one). False: every done row is emitted at once, as
-            stored (``terminal_obs_in_done_row=True``, and ``[T, E]``
-            rollouts repaired with their time axis, which hold no column).
+        successor: observation-only data: a row's next observation is the next
+            row's observation (with ``final``, a done row's is its final entry).
+        final: same-step mode: a done row's next observation is its final entry.
+        stitch: next observations are written (False: compact output, no row
+            waits).
+        hold_done: next-step mode: a done row not ``stored`` waits for its
+            reset row. False: every done row is emitted as stored
+            (``terminal_obs_in_done_row=True``, ``[T, E]`` rollout repairs).
 
     Returns:
         ``(code, next_src, released_src, carry, n_drop, n_lost, n_next_lost,
-        n_done, bad_row)``: the per-row code byte (module docstring); per-row source
-        row of the next observation (set for ``STITCHED`` rows only, and
-        empty when ``steps > 0``: the source is then the next row, and a
-        sparse array would touch every page of 8 bytes a row);
-        per-stream what happens to the stream's held row from an earlier
-        call (a source row, ``RELEASED_LOST``, ``RELEASED_AS_IS``,
-        ``RELEASED_STORED``, or -1: still held); the new carry state (a
-        fresh array; the input is untouched); the counts of reset rows, lost terminal observations
-        (done rows) and lost next observations (other rows) of this call's
-        rows, and of completed episodes; and the first supposed
-        reset row that fails the check (-1 if none; the rest is then
-        meaningless).
+        n_done, bad_row)``: the per-row code byte; per-row source of the next
+        observation (``STITCHED`` rows only; empty when ``steps > 0``: the next
+        row); per stream, what becomes of its held row from an earlier call (a
+        source row, ``RELEASED_*``, or -1: still held); the new carry (a fresh
+        array; the input is untouched); the call's counts of reset rows, lost
+        terminal observations (done rows), lost next observations (other
+        rows) and completed episodes; the first supposed reset row that fails
+        the check (-1 if none; the rest is then meaningless).
     """
     n_streams = carry.shape[1]
     carry = carry.copy()
@@ -298,8 +257,8 @@ def plan(n, steps, stream, done, stored, joint, group, final_ok, final_default, 
 def _close(s, row_code, released, open_row, waiting, code, released_src):
     """Ends stream ``s``'s wait for the row that completes its last row.
 
-    The row open in this call gets ``row_code``; a row held from an earlier
-    call gets ``released`` (a source row or a ``RELEASED_*`` value).
+    The row open in this call gets ``row_code``; one held from an earlier call
+    gets ``released`` (a source row or ``RELEASED_*``).
 
     Returns:
         The open row that was closed, or -1.
@@ -398,12 +357,9 @@ def stream_ends(  # noqa: PLR0913 - one pass over every end of a call
 ):
     """Reads the first and last row of each stream of a time-aligned call.
 
-    One pass over ``2 * S`` rows of bytes, for the continuity check, the
-    batch-end mark decisions and the retry fingerprint. The rows come as
-    unsigned words of any width (uint8 to uint64): the caller views each
-    row's bytes as the widest word that divides them, which made this
-    kernel 1.8 times faster than byte by byte on 68-byte rows
-    (``bench/README.md``, "The one-pass read").
+    For the continuity check, the batch-end mark decisions and the retry
+    fingerprint. The rows come as unsigned words (uint8 to uint64): the
+    caller views each row's bytes as the widest word that divides them.
 
     Args:
         obs: uint[N, B], the rows' observations as words (time-last: row
@@ -422,15 +378,14 @@ def stream_ends(  # noqa: PLR0913 - one pass over every end of a call
         ids_before: uint[S3, C], the previous call's first ``ids``.
 
     Returns:
-        ``(first, last, cont, same_first, broken, first_ids)``: copies of
-        each stream's first observation and last next observation
-        (uint[S, B], the words of ``obs``); per stream, 1 where its first row's observation
-        equals ``last_next`` (0 where it differs or the stream is new);
-        whether every first row equals ``first_before`` and, with ``ids``,
-        ``ids_before`` (a call bringing the last call's batch again); the
-        first stream that was open, does not continue and does not restart
-        (-1 if none); and a copy of each stream's first ``ids`` (uint[S, C],
-        ``[0, 0]`` without ids).
+        ``(first, last, cont, same_first, broken, first_ids)``: copies of each
+        stream's first observation and last next observation (uint[S, B], as
+        ``obs``); per stream, 1 where its first observation equals
+        ``last_next`` (0 where it differs or the stream is new); whether every
+        first row equals ``first_before`` (and ``ids_before``): the last
+        call's batch again; the first stream that was open, does not continue
+        and does not restart (-1 if none); a copy of each stream's first
+        ``ids`` (uint[S, C], ``[0, 0]`` without ids).
     """
     n_streams = obs.shape[0] // steps
     width = obs.shape[1]
@@ -446,9 +401,7 @@ def stream_ends(  # noqa: PLR0913 - one pass over every end of a call
     first_ids = np.empty((n_streams if ids.shape[0] > 0 else 0, id_width), ids.dtype)
     if ids.shape[0] > 0 and (ids_before.shape[0] != n_streams or ids_before.shape[1] != id_width):
         same_first = False
-    # Copies, then comparisons as OR-reductions of XORs without branches:
-    # both compile to vector code, where one loop that copies and compares
-    # byte by byte with early exits does not (8x slower over 4096 streams).
+    # Copies, then branch-free OR-reductions of XORs: both vectorise (early exits would not).
     for s in range(n_streams):
         a, b = s * steps, s * steps + steps - 1
         for j in range(width):
@@ -483,10 +436,8 @@ def stream_ends(  # noqa: PLR0913 - one pass over every end of a call
 def read_fills(x, rows, floating, signed, zero, nan):
     """Reads which of ``rows`` a producer filled in: all zeros, or marked missing.
 
-    Marked missing: any NaN (floating point), or -1 in every element
-    (signed integers: TorchRL's auto-reset fill for integer observations).
-    One pass over the bytes of those rows only (the done rows of a call), a
-    row of integers left as soon as it can be neither.
+    Marked missing: any NaN (floating point), or -1 in every element (signed
+    integers: TorchRL's fill for integer observations). Reads only ``rows``.
 
     Args:
         x: [N, W] the rows' values (one observation key, flattened).
@@ -632,9 +583,7 @@ def plan_rows(n, steps, stream, done, stored, joint, group, final_ok, final_defa
               stitch, hold_done, drop_lost):  # fmt: skip
     """:func:`plan`, then :func:`select_rows`, in one call from Python.
 
-    The arguments are those of the two (``drop_lost`` is that of
-    :func:`select_rows`). One call instead of two, and the code bytes and
-    next-observation sources stay inside the kernel.
+    The arguments are those of the two (``drop_lost``: :func:`select_rows`).
 
     Returns:
         ``(selection, released_src, carry, n_drop, n_lost, n_next_lost,
@@ -659,15 +608,11 @@ def one_pass(n, steps, stream, done, fills, floating, signed, stored, joint, gro
              carry, reset_rows, successor, final, stitch, hold_done, drop_lost):  # fmt: skip
     """Everything a call decides, in one call from Python.
 
-    Its stream ends, which done rows hold their next observation, and its
-    plan. (A call with nothing to clean, whose rows pass through, needs no
-    plan: it runs :func:`stream_ends` alone.)
-
     :func:`stream_ends` (skipped where ``obs`` is empty: observation-only
     rows, flat rows with a stream key), then which done rows hold their next
     observation (:func:`read_fills` over ``fills``), then :func:`plan_rows`
-    with the ends' ``cont``. Every call of every mode runs this one kernel;
-    the Python caller only reads the batch into these arrays.
+    with the ends' ``cont``. A call with nothing to clean runs
+    :func:`stream_ends` alone instead.
 
     Args:
         n: rows in the call.
@@ -675,14 +620,13 @@ def one_pass(n, steps, stream, done, fills, floating, signed, stored, joint, gro
             0 to read ``stream`` instead (see :func:`plan`).
         stream: as :func:`plan`.
         done: bool[N], the rows' done flags.
-        fills: [N, W] the one observation key's next observations (its
-            dtype, booleans as uint8), read on the done rows: zero- or
-            NaN-filled ones, and -1-filled signed integers, are not stored;
-            empty ``[0, 0]`` to take ``stored`` as given.
+        fills: [N, W] the one observation key's next observations (booleans
+            as uint8), read on done rows (zero-, NaN- or all -1 signed-filled:
+            not stored); empty ``[0, 0]`` to take ``stored`` as given.
         floating: ``fills`` holds floating-point values.
         signed: ``fills`` holds signed integers.
         stored: bool[N] or empty, used where ``fills`` is empty (see
-            :func:`plan`). Writeable: the kernel makes one of that type.
+            :func:`plan`). Writeable (the kernel assigns one of that type).
         joint: as :func:`plan`.
         group: as :func:`plan`.
         final_ok: as :func:`plan`.
@@ -695,7 +639,7 @@ def one_pass(n, steps, stream, done, fills, floating, signed, stored, joint, gro
         obs: as :func:`stream_ends`; empty ``[0, 0]``: no stream ends.
         next_obs: as :func:`stream_ends`.
         ends_steps: :func:`stream_ends`'s ``steps``: ``steps`` where ``obs``
-            holds every row, 1 where it holds each stream's first row (and
+            holds every row, 1 where it holds each stream's first (and
             ``next_obs`` its last).
         last_next: as :func:`stream_ends`.
         first_before: as :func:`stream_ends`.
@@ -753,22 +697,14 @@ class Rules(NamedTuple):
 
     Attributes:
         reset_rows: next-step data: a reset row follows each non-joint done row.
-        successor: observation-only data: a row's next observation is the
-            next row's observation.
-        final: same-step data: a done row's next observation is its
-            final-observation entry.
+        successor: observation-only data: a row's next observation is the next row's.
+        final: same-step data: a done row's next observation is its final entry.
         stitch: next observations are written (False for compact output).
-        hold_done: a next-step done row whose next observation is not
-            stored (zero- or NaN-filled, read per row from the data) waits
-            for its reset row. False only where the user declares every done
-            row complete (``terminal_obs_in_done_row=True``).
+        hold_done: a next-step done row not stored waits for its reset row; False for
+            compact output and, on full transitions, ``terminal_obs_in_done_row=True``.
         drop_lost: rows whose next observation is lost are not stored.
-        marks: a done, truncated, not terminated row on a call's last step
-            may be only a collector's batch-end mark (next-step time-last
-            batches, as TorchRL collectors write them): the next row
-            decides. Where the rows carry no collector trajectory ids (raw
-            loops, which never mark), only a row whose next observation is
-            not stored can be one (see the planning kernel's ``marks``).
+        marks: batch-end rows may be a collector's mark, decided by the next row
+            (next-step time-last batches; :func:`plan`'s ``marks``).
 
     Examples:
         >>> Rules.of(Options(mode="next_step"), False, "time_last")

@@ -1,12 +1,12 @@
 """The second part of a call's step: what to do with each row, from flags only.
 
 read -> **plan** -> write, over a :class:`~cleanbuf.engine._state.Carry`.
-:func:`plan` runs the planning kernel on a :class:`~cleanbuf.engine._read.Call`
-(:func:`~cleanbuf.engine._kernels.run_plan`): which rows to drop, hold or
-emit, where each next observation comes from, which held rows of earlier
-calls it releases (:class:`Release`), and the lost-observation policy
-(:func:`lost_policy`). The result, a :class:`Plan`, is numpy arrays and
-counts; no tensor is touched or written here.
+:func:`plan` reads what the kernel planned for a
+:class:`~cleanbuf.engine._read.Call` (:func:`~cleanbuf.engine._kernels.one_pass`,
+run by the read step): the rows to drop, hold or emit, the held rows it
+releases (:class:`Release`) and the lost-observation policy
+(:func:`lost_policy`). A :class:`Plan` is numpy arrays and counts; no tensor
+is touched here.
 """
 
 from __future__ import annotations
@@ -205,11 +205,13 @@ class Plan(NamedTuple):
 
 
 def plan(call: Call, options: Options) -> Plan:
-    """Runs the planning kernel on a call read by the read step.
+    """Reads the kernel's plan of a call (``call.planned``) into a :class:`Plan`.
 
-    Reads what the kernel says of the held rows (:class:`Release`) and
-    applies the lost-observation policy (:func:`lost_policy`). Changes
-    nothing: the kernel returns a fresh carry array.
+    Changes nothing: the kernel returned a fresh carry array.
+
+    Args:
+        call: a call read (and planned) by the read step.
+        options: the cleaner's options.
 
     Raises:
         ResetRowError: a row that should be a reset row is not one.

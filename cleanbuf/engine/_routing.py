@@ -1,12 +1,10 @@
 """Several producers: which producer's carry a batch continues.
 
-With ``producer_key`` (TorchRL's trajectory ids), or inside a Ray actor,
-the cleaner keeps one carry per producer: each worker of a
-``MultiAsyncCollector`` whose batches are extended from the parent, one
-worker's ``[E, T]`` batch at a time, or each Ray collector extending one
-Ray replay buffer. :func:`producer_key` says whether a batch is routed at
-all (a single producer's call never comes here); :func:`route` cleans it
-against the carry of the first producer it continues (:func:`candidates`).
+With ``producer_key`` (TorchRL's trajectory ids), or inside a Ray actor, the
+cleaner keeps one carry per producer (each ``MultiAsyncCollector`` worker whose
+``[E, T]`` batches the parent extends, or each Ray collector extending one Ray
+replay buffer). :func:`producer_key` says whether a batch is routed at all;
+:func:`route` cleans it against the first producer it continues.
 """
 
 from __future__ import annotations
@@ -28,12 +26,16 @@ def route(
 ) -> TensorDictBase:
     """Cleans ``td`` against the carry of its producer; returns ``cleaner.clean``'s result.
 
-    The batch goes to the first producer it continues (:func:`candidates`);
-    ``cleaner.clean`` (a call against ``cleaner.state.carry``) changes
-    nothing when it refuses one. When the producers draw trajectory ids
-    from one pool (``producer_key``), a batch sharing ids with producers it
-    does not continue is refused (a skipped or repeated batch); when they
-    may share ids (``cleaner.many_producers``), it starts a new one.
+    Tries the producers in :func:`candidates`' order; a refusal changes
+    nothing. With one id pool (``producer_key``), a batch sharing ids with
+    producers it does not continue is refused (skipped or repeated); where
+    producers may share ids (``cleaner.many_producers``), it starts a new one.
+
+    Args:
+        cleaner: the cleaner (its ``state``, ``options``, ``many_producers``, ``clean``).
+        td: the batch, ``[*E, T]``.
+        key: the trajectory-id key (:func:`producer_key`).
+        before: the last call's fingerprint (or None), passed to ``cleaner.clean``.
     """
     state = cleaner.state
     producers = state.producers
@@ -115,34 +117,24 @@ def candidates(
 ) -> tuple[list[int], list[int]]:
     """The producers a batch may continue, most likely first.
 
-    Within a producer, a stream keeps its trajectory id until its episode
-    ends, and a new episode takes an id above every id the producer gave
-    before. A producer's batch therefore has, on each stream, the id of the
-    stream's last row, or (the stream ended at the batch boundary) a larger
-    id than any of its last rows. When the producers draw ids from one pool
-    (a multi-process collector's workers do), a shared id names the
-    producer; producers with pools of their own (each Ray collector has one)
-    can share ids, so the observations decide among the candidates (the
-    cleaner's continuity check). A batch whose every stream ended at the
-    boundary shares no id: the producers it is consistent with come next,
-    the one whose ids are closest below the batch's first, then any
-    producer with nothing held, pending or open, and a new one.
+    A stream keeps its trajectory id until its episode ends (a batch-end mark
+    aside); a new episode takes an id above every id its producer gave. So a
+    producer's next batch has, per stream, its last row's id or one above all
+    of them. With separate id pools (Ray) ids are shared by chance, and the
+    continuity check decides among the candidates.
 
-    ``restarts`` (producers with pools of their own) says which streams
-    start an episode after a real reset in the batch's first row. Such an
-    episode has a new id, so a producer whose last id it repeats shares it
-    by chance: it comes after the producers the batch is consistent with
-    (its continuity check would pass, a restart continuing anything).
-
-    An episode's end changes its id too (a collector's batch-end mark
-    aside), so a producer sharing the batch's ids only on streams that
-    ended comes after one sharing them on open streams.
+    Args:
+        producers: one carry per producer (``traj_ids``: its last rows' ids).
+        first_ids: the batch's first trajectory id per stream.
+        restarts: per stream, the batch's first row restarts it (separate id
+            pools only: a restart takes a new id, so a shared one is chance).
 
     Returns:
         ``(matching, others)``: the consistent producers sharing an id with
         the batch on an open stream, then those sharing one only on ended
-        streams; then the other consistent ones, those sharing an id by
-        chance, the blank ones and ``len(producers)`` (a new producer).
+        streams; then the other consistent ones (closest ids below first),
+        those sharing an id by chance, the blank ones and ``len(producers)``
+        (a new producer).
 
     Examples:
         >>> a, b = Carry(traj_ids=np.array([3, 4])), Carry(traj_ids=np.array([5, 6]))

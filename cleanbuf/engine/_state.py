@@ -1,24 +1,11 @@
 """The state a cleaner keeps between calls: the carry, its held rows, its checks.
 
 What the step (read -> plan -> write) reads and replaces: a call builds a
-new :class:`Carry` (or new fields of it) and the cleaner makes it current
-only when the call succeeds, so a failed call leaves the state as it was.
-A cleaner's whole state (the carries and the counters) is one
-:class:`State`, which the retry rule copies and restores.
-Also the checks of a saved state (:func:`check_state`,
-:func:`same_options`) and how the held rows change in a call
-(:func:`kept_held`).
-
-Per stream: whether a reset row comes next (``pending``), whether a held row
-waits for the next row as its next observation's source (``waiting``),
-whether the next kept row starts an auto-reset episode (``need_init``), the
-step-count shift of the current episode (``shift``), whether the held
-row's end is an undecided collector mark (``marked``); the held rows
-themselves; and, for stream-key data, the stream id of each slot. All of it
-is small (a few values per stream and at most one row per stream).
-
-The per-stream values live in one ``int64[5, S]`` array, the form the
-planning kernel reads and returns (one array to pass instead of four).
+new :class:`Carry` (or new fields of it), made current only when the call
+succeeds, so a failed call leaves the state as it was. A cleaner's whole
+state is one :class:`State`, which the cleaner's undo restores. Also the
+checks of a saved state (:func:`check_state`, :func:`same_options`) and
+:func:`kept_held`. Small: a few values and at most one held row per stream.
 """
 
 from __future__ import annotations
@@ -71,12 +58,10 @@ def no_streams() -> np.ndarray:
 class Carry:
     """Per-stream state carried between calls.
 
-    ``per_stream`` is ``int64[5, S]``: per stream, whether a reset row comes
-    next (row ``PENDING``), whether its held row waits (``WAITING``), whether
-    the next kept row starts an auto-reset episode (``NEED_INIT``), the
-    step-count shift of its episode (``SHIFT``), and whether its pending
-    done row is an undecided batch-end mark (``MARKED``). Callers replace the array
-    and never write into it.
+    ``per_stream`` is the planning kernel's carry, ``int64[5, S]`` (rows
+    ``PENDING``, ``WAITING``, ``NEED_INIT``, ``SHIFT``, ``MARKED``: see
+    :func:`cleanbuf.engine._kernels.plan`). Callers replace the array and
+    never write into it.
 
     Examples:
         >>> carry = Carry().grown(2)
@@ -89,7 +74,7 @@ class Carry:
 
     stream_shape: tuple | None = None
     layout_kind: str | None = None
-    stream_ids: np.ndarray | None = None
+    stream_ids: np.ndarray | None = None  # stream-key data: the stream id of each slot
     per_stream: np.ndarray = dataclasses.field(default_factory=no_streams)
     held: dict = dataclasses.field(default_factory=dict)  # key -> tensor [H, ...]
     held_stream: np.ndarray = _empty(np.int64)
@@ -117,11 +102,7 @@ class Carry:
         return out
 
     def is_blank(self) -> bool:
-        """Whether nothing carries over (a new carry is blank).
-
-        Nothing carries over when no row is held, no flag is set and every
-        stream's last row ended an episode.
-        """
+        """Whether nothing carries over: no held row, no flag, no open stream."""
         return not (
             len(self.held_stream)
             or np.count_nonzero(self.per_stream[:MARKED])
@@ -143,7 +124,7 @@ class Carry:
             >>> carry.expect_resets(1).nothing_pending(False, False)  # a reset row comes
             False
         """
-        # (count_nonzero: a third of what any() costs on these small arrays)
+        # (count_nonzero: cheaper than any() on these small arrays)
         nonzero, per_stream = np.count_nonzero, self.per_stream
         if nonzero(per_stream[PENDING]) or nonzero(per_stream[WAITING]):
             return False
@@ -176,11 +157,10 @@ class Carry:
     def held_marks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per held row: an undecided mark, marks seen, and its next observation stored.
 
-        The first array says whether the held row's end is an undecided
-        batch-end mark; the second whether its producer showed that it marks
-        batch ends (a mark of that stream turned out to be one); the third
-        whether the mark's next observation is stored (the kernel read it
-        when it held the row; only a mark is held with it stored).
+        Three bool arrays: the held row's end is an undecided batch-end mark;
+        its stream's producer showed that it marks batch ends; the mark's next
+        observation is stored (read when the row was held; only a mark is
+        held with it stored).
 
         Examples:
             >>> carry = Carry().grown(1)
@@ -248,7 +228,7 @@ class Carry:
         shape = state["stream_shape"]
         per_stream = np.zeros((len(_PER_STREAM), len(state["pending"])), np.int64)
         for name, (row, _) in _PER_STREAM.items():
-            if name in state:  # ("marked" came later: absent means none)
+            if name in state:  # (older states lack "marked": none)
                 per_stream[row] = state[name].numpy()
         return cls(
             stream_shape=None if shape is None else tuple(shape),
@@ -294,8 +274,7 @@ class State:
     def snapshot(self) -> State:
         """A copy to go back to: shallow copies of the carries, a copy of the counters.
 
-        A call replaces the fields of its carry and never writes into their
-        values, so shallow copies stay what they were.
+        Shallow copies suffice, as for :meth:`Carry.snapshot`.
         """
         return State(
             self.carry.snapshot(), [c.snapshot() for c in self.producers], dict(self.stats)
