@@ -1,10 +1,7 @@
 """What cleanbuf raises and warns: the errors, the warning, and where a warning points.
 
-Every error names the key, what was expected, what came, and the fix. All are
-``ValueError`` subclasses so that ``except ValueError`` keeps working, and a
-call that raises one changes no state and writes nothing. A warning names the
-user's line (:func:`user_stacklevel`); the lost-terminal-observation warning's
-text (:func:`lost_message`) is one for the filter, the repair and ``clean()``.
+Every error is a ``ValueError`` (so ``except ValueError`` keeps working) that names the key, what
+was expected, what came and the fix; a call that raises one changes no state and writes nothing.
 """
 
 from __future__ import annotations
@@ -64,10 +61,8 @@ class CleanbufWarning(UserWarning):
 def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning name the user's line.
 
-    Counted from the function that calls ``warnings.warn``: the first frame
-    outside cleanbuf, TorchRL, tensordict and torch (a filter's warning is
-    raised below ``rb.extend``, several frames of TorchRL deep, or below
-    ``torch.nn.Module.__call__`` when the filter is called directly).
+    Counted from the caller of ``warnings.warn`` to the first frame outside cleanbuf, TorchRL,
+    tensordict and torch (a filter warns from below ``rb.extend`` or ``nn.Module.__call__``).
 
     Examples:
         >>> import warnings
@@ -109,15 +104,14 @@ EFFECTS = {
 
 
 def lost_message(n_lost: int, who: str, where: str = "", first_batch: bool = False) -> str:
-    """The warning's text: the count, the cause, what NaN does, the two ways out.
+    """The lost-terminal-observation warning's text, one for the filter, the repair and ``clean()``.
 
     Args:
         n_lost: how many terminal observations were lost.
-        who: "filter", "repair" or "clean()" (the writer, which decides what
-            NaN does).
+        who: "filter", "repair" or "clean()" (the writer, which decides what NaN does).
         where: after "the filter", where the calls ran (copies elsewhere).
-        first_batch: ``n_lost`` is what the first batch that lost any lost
-            (the warning comes once, at that batch; later ones only count).
+        first_batch: ``n_lost`` is the first losing batch's count (the warning comes once;
+            later batches only count).
 
     Examples:
         >>> text = lost_message(3, "repair")

@@ -1,9 +1,7 @@
 """Reading a batch: its leaves as flat rows, its done flags, its observation keys.
 
-Part of the read step (read -> plan -> write; :mod:`cleanbuf.engine._read`
-puts it together): :class:`Views` (a call's leaves read as flat rows, numpy
-views where they can be), the walk that reads them (:func:`batch_views`),
-and the observation-key rule the offline side shares.
+Part of the read step (:mod:`cleanbuf.engine._read`): :class:`Views`, the walk that reads them
+(:func:`batch_views`), and the observation-key rule the offline side shares.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from cleanbuf.engine._compat import tensordict_children
 from cleanbuf.engine._errors import InputError, key_name
 
 NEXT = "next"
-# TorchRL's trajectory ids: one id per trajectory, from one pool shared by
-# every worker of a multi-process collector, never reused.
+# TorchRL's trajectory ids: one per trajectory, unique across a collector's workers, never reused.
 TRAJ_IDS = ("collector", "traj_ids")
 DONE_KEYS = (("next", "done"), ("next", "terminated"), ("next", "truncated"))
 # Keys that live at the root and under "next" but are not observations.
@@ -44,24 +41,17 @@ def numpy_view(t: torch.Tensor) -> np.ndarray | None:
 
 
 class Views(dict):
-    """A call's tensors by key, read as rows: flat tensors and numpy views.
+    """A call's tensors by key, read as rows ``[prod(B), ...]``: numpy views and flat tensors.
 
-    Each view is made once, on first use.
-
-    A batch ``[*B, ...]`` is read as rows ``[prod(B), ...]``. Flattening a
-    tensor costs about a microsecond, and so does ``Tensor.numpy()``; a call
-    reads some leaves several times (to move them, to patch them) and most
-    leaves only as numpy (small rows move with ``ndarray.take``), so each view is
-    made once, and a leaf read only as numpy is never flattened by torch.
-    ``views[key]`` is the numpy view of the rows (None where
-    :func:`numpy_view` gives none); :meth:`flat` is the tensor of rows.
+    ``views[key]`` is the numpy view of the rows (None where :func:`numpy_view` gives none);
+    :meth:`flat` is the tensor of rows. Each is made once, on first use; a leaf read only as
+    numpy is never flattened by torch.
 
     Args:
         tensors: key -> tensor, with ``batch_dims`` leading batch dimensions.
         batch_dims: how many leading dimensions make up a row index.
-        n_rows: the product of those dimensions (read to shape the numpy
-            rows when ``batch_dims`` is not 1, and by
-            :func:`cleanbuf.engine._keys.done_flags`; 0 where neither happens).
+        n_rows: the product of those dimensions (needed where ``batch_dims`` is not 1, and by
+            :func:`done_flags`; else 0 will do).
 
     Examples:
         >>> views = Views({"a": torch.arange(6.0).reshape(2, 3)}, batch_dims=2, n_rows=6)
@@ -83,9 +73,6 @@ class Views(dict):
     @classmethod
     def of_batch(cls, tensors: dict, batch_dims: int, n_rows: int) -> Views:
         """The views of a call's leaves, every numpy view made at once.
-
-        A call reads every leaf as numpy (its flags, its stream ends, the
-        gathers): one loop here, instead of a lookup that misses per leaf.
 
         Examples:
             >>> views = Views.of_batch({"a": torch.zeros(2, 3)}, 2, 6)
@@ -119,11 +106,6 @@ class Views(dict):
 def may_be_observation(key: tuple) -> bool:
     """Whether a root key can hold an observation: the one rule, online and offline alike.
 
-    Not a ``"next"`` entry, not the collector's bookkeeping
-    (``("collector", ...)``), not a done flag, a reward, ``is_init`` or
-    ``step_count``. (An observation key is one such key stored with its
-    ``("next", *key)`` twin.)
-
     Examples:
         >>> may_be_observation(("pixels",)), may_be_observation(("step_count",))
         (True, False)
@@ -134,10 +116,7 @@ def may_be_observation(key: tuple) -> bool:
 
 
 def batch_leaves(td: TensorDictBase) -> dict:
-    """Returns every tensor leaf of ``td``, as stored: ``[*batch, *feature]``.
-
-    The leaves are not flattened into rows here: :class:`Views`
-    does that on first use, and only for the leaves that need it.
+    """Returns every tensor leaf of ``td``, as stored ``[*batch, *feature]`` (not flattened).
 
     Args:
         td: the batch.
@@ -158,8 +137,7 @@ def batch_leaves(td: TensorDictBase) -> dict:
     leaves: dict = {}
     if _walk(td, (), leaves):
         return _plain(leaves)
-    # Lazy stacks, non-tensor leaves: TensorDict's own (slower) iterator, which
-    # yields non-tensor data too (by default it skips it: rows would be lost).
+    # Lazy stacks, non-tensor leaves: TensorDict's iterator, told not to skip non-tensor data.
     leaves = {}
     for key, value in td.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor):
         key = key if isinstance(key, tuple) else (key,)
@@ -176,13 +154,10 @@ def batch_leaves(td: TensorDictBase) -> dict:
 def batch_views(td: TensorDictBase, batch_dims: int, n_rows: int) -> Views | None:
     """Every leaf of a plain ``TensorDict`` tree with its numpy rows, in one walk.
 
-    What :func:`batch_leaves` then :meth:`Views.of_batch` give, for the
-    common batch: a ``TensorDict`` tree of CPU tensors that numpy can view.
-    ``views.parts`` holds each leaf's key, dtype and shape (the batch's
-    structure, :func:`cleanbuf.engine._read.structure`). None for any other
-    batch (a lazy stack, a non-tensor leaf, a leaf on another device, one
-    that requires grad, a dtype numpy lacks): the caller then takes the
-    general path, which handles (or refuses) each of these.
+    What :func:`batch_leaves` then :meth:`Views.of_batch` give, with ``views.parts`` holding
+    each leaf's key, dtype and shape (:func:`cleanbuf.engine._read.structure`). None for any other
+    batch (a lazy stack, a non-tensor leaf, a leaf off the CPU, one that requires grad, a dtype
+    numpy lacks): the caller then takes the general path, which handles or refuses it.
 
     Examples:
         >>> from tensordict import TensorDict
@@ -224,12 +199,9 @@ def _walk_views(td: TensorDictBase, prefix: tuple, views: Views, parts: list) ->
 
 
 def _plain(leaves: dict) -> dict:
-    """``leaves`` as data: without autograd history, and refused where there is no data.
+    """``leaves`` as data: detached (as TorchRL's collectors store them), and none on ``meta``.
 
-    Rows in a replay buffer are data: a leaf that requires grad (a policy
-    output written without ``torch.no_grad()``) is stored detached, as
-    TorchRL's collectors store it; the graph is not kept alive by held rows.
-    A leaf on the ``meta`` device holds no values to clean.
+    Detached, held rows keep no autograd graph alive.
     """
     for key, value in leaves.items():
         if value.requires_grad:
@@ -244,11 +216,7 @@ def _plain(leaves: dict) -> dict:
 
 
 def _walk(td: TensorDictBase, prefix: tuple, leaves: dict) -> bool:
-    """Collects the tensor leaves of a plain ``TensorDict`` tree; False otherwise.
-
-    It reads the key dicts (much cheaper than ``items()``); False for any
-    other kind of node.
-    """
+    """Collects the tensor leaves of a plain ``TensorDict`` tree; False for any other node."""
     children = tensordict_children(td) if type(td) is TensorDict else None
     if children is None:
         return False
@@ -261,11 +229,12 @@ def _walk(td: TensorDictBase, prefix: tuple, leaves: dict) -> bool:
 
 
 def row_flags(name: str, key: tuple, rows: Views) -> np.ndarray:
-    """The flags of ``rows.tensors[key]`` (one bool per row) as numpy ``[n_rows]``.
+    """The flags of ``rows.tensors[key]`` (one bool per row) as numpy ``[n_rows]``, checked.
 
-    A CPU leaf is read through its numpy view, which the move of the same
-    leaf reuses, and checked with numpy, which is cheaper than torch's
-    checks; the error messages come from the torch path.
+    A CPU bool leaf is read through its numpy view; errors come from the torch path.
+
+    Raises:
+        InputError: the leaf is not ``torch.bool`` or holds more than one flag per row.
     """
     a = rows[key]
     n_rows = rows.n_rows
@@ -290,9 +259,7 @@ def row_flags(name: str, key: tuple, rows: Views) -> np.ndarray:
 def done_flags(rows: Views, done_key: tuple | None) -> np.ndarray:
     """Returns the per-row done flag as a bool numpy array ``[n_rows]``.
 
-    The done key is ``done_key`` if given, else ``("next", "done")``, else
-    ``("next", "terminated") | ("next", "truncated")``
-    (:func:`done_source`, then :meth:`DoneSource.read`).
+    Read from ``done_key``, else ``("next", "done")``, else ``terminated | truncated``.
 
     Args:
         rows: the leaves, read as rows.
@@ -381,9 +348,8 @@ def read_flags(rows: Views, key: tuple) -> np.ndarray:
 def _check_done_agrees(done: np.ndarray, rows: Views, parts: tuple) -> None:
     """Raises unless ``("next", "done")`` is ``terminated | truncated`` on every row.
 
-    With only one of the two present: done wherever it is set. (TorchRL
-    envs keep ``done == terminated | truncated``; an end that ``done``
-    misses would keep its reset row as a transition.)
+    With only one of the two present, done must be set wherever it is (a missed end would keep
+    its reset row as a transition).
     """
     ends = read_flags(rows, parts[0])
     if len(parts) == 2:
@@ -407,10 +373,8 @@ def _check_done_agrees(done: np.ndarray, rows: Views, parts: tuple) -> None:
 def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> tuple[list, bool]:
     """Returns the observation keys, and whether the data is observation-only.
 
-    Observation keys are discovered as the root keys with a ``("next", ...)``
-    twin (done, reward and bookkeeping keys excluded). Observation-only data
-    (no ``("next", k)``, as TorchRL's ``Collector(compact_obs=True)`` stores)
-    needs them declared.
+    Discovered as the keys that :func:`may_be_observation` allows and that have a
+    ``("next", ...)`` twin; observation-only data (no twins) needs them declared.
 
     Args:
         leaves: the batch leaves, from :func:`batch_leaves`.
@@ -469,10 +433,7 @@ def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> 
 
 
 def check_same_layout(leaves: dict, key: tuple, other: tuple) -> None:
-    """Raises unless ``other`` has the shape and dtype of ``key``.
-
-    The rows of one can then be written into the other.
-    """
+    """Raises unless ``other`` has the shape and dtype of ``key`` (so rows of one fit the other)."""
     a, b = leaves[key], leaves[other]
     if a.shape != b.shape or a.dtype != b.dtype:
         what = "dtype" if a.shape == b.shape else "shape"
@@ -505,14 +466,10 @@ def _common_parent(keys: list) -> tuple:
 def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, batch_dims: int = 1):
     """Finds the same-step final-observation entry for each observation key.
 
-    The entry is ``declared`` or the first of :data:`FINAL_KEYS` present. It
-    is one tensor (for a single observation key) or a sub-TensorDict with
-    the observation keys inside, in full (``("next", "final_obs", "pixels")``
-    for ``"pixels"``) or relative to their common parent
-    (``("next", "final_obs", "pos")`` for ``("observation", "pos")``). A
-    boolean entry of the same name with a leading underscore
-    (``("next", "_final_obs")``, as Gymnasium's info masks) says per row
-    whether the final observation is there.
+    The entry is ``declared`` or the first of :data:`FINAL_KEYS` present; see docs/rules.md,
+    'Same-step mode'. In a sub-TensorDict the observation keys appear in full
+    (``("next", "final_obs", "pixels")`` for ``"pixels"``) or relative to their common parent
+    (``("next", "final_obs", "pos")`` for ``("observation", "pos")``).
 
     Args:
         leaves: the batch leaves.
@@ -522,11 +479,9 @@ def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, batch_di
         batch_dims: the leaves' leading batch dimensions.
 
     Returns:
-        ``(final_of, mask_key, entry_keys)``: a dict from observation key to
-        its final-observation leaf key (empty when there is no entry); the
-        key of the boolean mask that says per row whether the final
-        observation is present (None: present wherever the entry is); and
-        the set of leaf keys the entry (and its mask) occupy.
+        ``(final_of, mask_key, entry_keys)``: observation key -> final-observation leaf key
+        (empty: no entry); the per-row presence mask's key (None: present wherever the entry
+        is); the leaf keys the entry and its mask occupy.
 
     Raises:
         InputError: the entry does not match the observation keys.
@@ -556,9 +511,7 @@ def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, batch_di
             )
         final_of = {obs_keys[0]: prefix}
     else:
-        # The entry mirrors the observation keys in full, or relative to their
-        # common parent (a Dict observation stored as "observation": {...} has
-        # its final observation as "final_obs": {...}, like Gymnasium's info).
+        # The observation keys in full, or relative to their common parent (Gymnasium's info).
         final_of = {k: (*prefix, *k) for k in obs_keys}
         parent = _common_parent(obs_keys)
         if parent and any(f not in leaves for f in final_of.values()):
@@ -590,10 +543,8 @@ def final_entries(leaves: dict, declared: tuple | None, obs_keys: list, batch_di
 def without_empty_final_entry(leaves: dict, declared: tuple | None) -> dict:
     """``leaves`` without a final-observation entry whose mask says it holds nothing.
 
-    Outside same-step mode a final-observation entry has no use; the one
-    :func:`cleanbuf.step_rows` writes from a next-step producer's info is
-    empty (its mask all False), and is not stored. An entry with any
-    observation in it is kept: nothing collected is dropped.
+    For modes other than same-step, where the entry has no use (:func:`cleanbuf.step_rows` writes
+    an empty one from a next-step producer's info). An entry with any observation in it is kept.
 
     Examples:
         >>> leaves = {("obs",): torch.zeros(2), ("next", "final_obs"): torch.zeros(2),

@@ -16,8 +16,7 @@ MODES = ("next_step", "same_step", "disabled")
 LAYOUTS = ("time_last", "time_first", "step", "stream_key")
 LOST_POLICIES = ("nan", "drop", "raise", "keep")
 
-# Gymnasium's AutoresetMode values, so that the enum works without importing
-# gymnasium here.
+# Gymnasium's AutoresetMode values, so that the enum works without importing gymnasium here.
 _GYMNASIUM_MODE_VALUES = {
     "NextStep": "next_step",
     "SameStep": "same_step",
@@ -65,78 +64,66 @@ def _key(key: NestedKey | None) -> tuple | None:
 class Options:
     """The validated, immutable options of a filter, a repair or a clean.
 
-    :class:`cleanbuf.AutoresetFilter`, :class:`cleanbuf.RolloutRepair` and
-    :func:`cleanbuf.clean` take these as keyword arguments, of the same
-    names and meanings, and build one with :meth:`build` (which checks
-    them and normalizes keys to tuples); ``filt.options`` and
-    ``repair.options`` return it. ``dataclasses.replace(opts, ...)`` gives
-    a changed copy (unchecked: pass it through :meth:`build` with
-    :meth:`as_dict` to check it).
+    :class:`cleanbuf.AutoresetFilter`, :class:`cleanbuf.RolloutRepair` and :func:`cleanbuf.clean`
+    take these as keyword arguments and build one with :meth:`build` (which checks them and
+    normalizes keys to tuples); ``filt.options`` and ``repair.options`` return it.
+    ``dataclasses.replace(opts, ...)`` gives an unchecked copy: check it with
+    ``Options.build(**copy.as_dict())``. What each rule does: docs/rules.md.
 
     Attributes:
-        mode: "next_step" (a reset row follows each done row: Gymnasium's
-            default, EnvPool, TorchRL ``GymEnv(name, num_envs=N)``),
-            "same_step" (the done row's next observation is the reset one,
-            the terminal one is in an info entry: SB3 ``VecEnv``, Gymnasium
-            ``SAME_STEP``, GPU simulators) or "disabled" (check and pass
-            through). :meth:`build` also takes a
-            ``gymnasium.vector.AutoresetMode``.
-        layout: which rows of a call belong to which env. None infers it
-            (``[*E, T]`` time-last collector batches; a 1-D batch named
-            ``["time"]`` or of length one is one stream); "time_last"
-            declares ``[*E, T]``; "time_first": ``[T, *E]`` rollouts as
-            raw loops stack them (CleanRL, Stable-Baselines3); "step": each
-            call is one step of E envs, batch ``[E]``; "stream_key": flat
-            rows with a per-row env id under ``stream_key``.
-        stream_key: the key of a per-row stream (env) id, for flat rows.
-        joint_reset: the producer resets a whole reset group when all its
-            envs are done on the same step, and no reset row follows
-            (TorchRL ``GymEnv(num_envs=N)``).
-        reset_group_size: streams per reset group (consecutive in C
-            order); None: all streams of a call.
-        joint_key: with ``layout="stream_key"``: a key holding True on a
-            done row whose whole reset group was done on that step (flat
-            rows do not show which rows share a step). Implies
-            ``joint_reset``.
-        on_lost_terminal_obs: what a row whose terminal (or next)
-            observation is lost gets: "nan" (NaN, counted), "drop" (the row
-            is not stored; the repair masks it), "raise"
-            (:class:`~cleanbuf.TerminalObservationLostError`) or "keep" (as
-            it came). None: "nan" in next-step mode for floating
-            observations, else an error that names the choices.
-        terminal_obs_in_done_row: rarely needed. Whether a done row holds
-            its terminal observation is read from the data, row by row (a
-            zero-filled or NaN next observation is not held). True declares
-            every done row complete, zeros included: for a terminal
-            observation truly 0 in every element with no reset row after
-            it. False is deprecated and ignored.
-        check_reset_rows: check that each reset row has reward 0 and is
-            not done (a :class:`~cleanbuf.ResetRowError` otherwise: the
-            wrong mode, or a reward transform that moves 0).
-        observation_keys: the observation keys; None: every key present
-            at the root and under "next" (done, reward and bookkeeping keys
-            excluded). Observation-only data needs them.
-        done_key: the done key; None: ``("next", "done")``, else
+        mode: "next_step" (default; a reset row follows each done row: Gymnasium's default,
+            EnvPool, TorchRL ``GymEnv(name, num_envs=N)``), "same_step" (the done row's next
+            observation is the reset one, the terminal one is in an info entry: SB3 ``VecEnv``,
+            Gymnasium ``SAME_STEP``, GPU simulators) or "disabled" (check and pass through).
+            :meth:`build` also takes a ``gymnasium.vector.AutoresetMode``.
+        layout: which rows of a call belong to which env. None (default) infers it (``[*E, T]``
+            time-last collector batches; a 1-D batch named ``["time"]`` or of length one is one
+            stream); "time_last" declares ``[*E, T]``; "time_first": ``[T, *E]`` rollouts as raw
+            loops stack them (CleanRL, Stable-Baselines3); "step": each call is one step of E
+            envs, batch ``[E]``; "stream_key": flat rows with a per-row env id under
+            ``stream_key``.
+        stream_key: the key of a per-row stream (env) id, for flat rows (default None).
+        joint_reset: the producer resets a whole reset group when all its envs are done on the
+            same step, and no reset row follows (TorchRL ``GymEnv(num_envs=N)``); default False.
+        reset_group_size: streams per reset group (consecutive in C order); None (default): all
+            streams of a call.
+        joint_key: with ``layout="stream_key"``, a key holding True on a done row whose whole
+            reset group was done on that step (flat rows do not show which rows share a step).
+            Implies ``joint_reset``; default None.
+        on_lost_terminal_obs: what a row whose terminal (or next) observation is lost gets:
+            "nan" (NaN, counted), "drop" (the row is not stored; the repair masks it), "raise"
+            (:class:`~cleanbuf.TerminalObservationLostError`) or "keep" (as it came). None
+            (default): "nan" in next-step mode for floating observations, else an error that
+            names the choices.
+        terminal_obs_in_done_row: rarely needed. Whether a done row holds its terminal
+            observation is read from the data, row by row (a zero-filled or NaN next observation
+            is not held). True declares every done row complete, zeros included: for a terminal
+            observation truly 0 in every element with no reset row after it. None (default):
+            read from the data. False is deprecated and ignored.
+        check_reset_rows: check that each reset row has reward 0 and is not done (a
+            :class:`~cleanbuf.ResetRowError` otherwise: the wrong mode, or a reward transform
+            that moves 0); default True.
+        observation_keys: the observation keys; None (default): every key present at the root
+            and under "next" (done, reward and bookkeeping keys excluded). Observation-only data
+            needs them.
+        done_key: the done key; None (default): ``("next", "done")``, else
             ``("next", "terminated") | ("next", "truncated")``.
-        reward_key: the reward key read by the reset-row check.
-        is_init_key: the ``InitTracker`` key to set on each episode's first
-            row (None: leave it alone).
-        step_count_key: the ``StepCounter`` key to fix, with its
-            ``("next", ...)`` twin (None: leave them alone).
-        final_obs_key: same-step mode: the final-observation entry; None
-            looks for ``("next", "final_obs")``, ``("next",
-            "final_observation")`` and ``("next", "terminal_observation")``.
-        keep_final_obs: same-step mode: store the final-observation entry
-            too.
-        compact: observation-only data: keep it observation-only (only the
-            artifacts go, nothing is held, the terminal observations of done
-            rows are not stored).
-        check_continuity: check that each call continues the streams of
-            the calls before it (a :class:`~cleanbuf.ContinuityError`
-            otherwise).
-        producer_key: batches come from several producers in turn (a
-            ``MultiAsyncCollector`` extended from the parent): this key's
-            trajectory ids tell which producer's streams a batch continues.
+        reward_key: the reward key read by the reset-row check (default ``("next", "reward")``).
+        is_init_key: the ``InitTracker`` key to set on each episode's first row (default
+            ``("is_init",)``; None: leave it alone).
+        step_count_key: the ``StepCounter`` key to fix, with its ``("next", ...)`` twin
+            (default ``("step_count",)``; None: leave them alone).
+        final_obs_key: same-step mode: the final-observation entry; None (default) looks for
+            ``("next", "final_obs")``, ``("next", "final_observation")`` and
+            ``("next", "terminal_observation")``.
+        keep_final_obs: same-step mode: store the final-observation entry too (default False).
+        compact: observation-only data: keep it observation-only (only the artifacts go, nothing
+            is held, the terminal observations of done rows are not stored); default False.
+        check_continuity: check that each call continues the streams of the calls before it (a
+            :class:`~cleanbuf.ContinuityError` otherwise); default True.
+        producer_key: batches come from several producers in turn (a ``MultiAsyncCollector``
+            extended from the parent): this key's trajectory ids tell which producer's streams
+            a batch continues (default None).
 
     Examples:
         >>> from cleanbuf import Options
@@ -193,10 +180,7 @@ class Options:
 
     @functools.cached_property
     def step_count_keys(self) -> tuple:
-        """The step-count keys to fix.
-
-        ``step_count_key`` and its ``("next", ...)`` twin, or none when
-        ``step_count_key`` is None.
+        """The step-count keys to fix: ``step_count_key`` and its ``("next", ...)`` twin, or none.
 
         Examples:
             >>> Options().step_count_keys
@@ -282,9 +266,7 @@ class Options:
 def options_in(arguments: dict) -> dict:
     """The options among a call's arguments (its ``locals()``), by :class:`Options` field.
 
-    The public classes and functions spell every option out in their
-    signatures (for ``help()``, ``inspect.signature`` and editors) and
-    pass them on with this.
+    The public API spells every option out in its signatures and passes them on with this.
 
     Examples:
         >>> options_in({"self": None, "mode": "same_step", "layout": "step", "rb": 1})
@@ -412,8 +394,7 @@ def _observation_keys(obs_keys) -> tuple | None:
     """The declared observation keys as a tuple of tuple keys."""
     if obs_keys is None:
         return None
-    # A string or a tuple of strings is one (nested) key; anything else is a
-    # sequence of keys.
+    # A string or a tuple of strings is one (nested) key; anything else is a sequence of keys.
     if isinstance(obs_keys, str) or (
         isinstance(obs_keys, tuple) and all(isinstance(p, str) for p in obs_keys)
     ):

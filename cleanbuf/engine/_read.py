@@ -1,44 +1,25 @@
-"""The first part of a call's step: reading one batch, checked.
+"""Reading one batch into a checked :class:`Call` (read -> plan -> write); reading changes nothing.
 
-read -> plan -> write, over a :class:`~cleanbuf.engine._state.Carry`.
-:meth:`Reader.read` turns a batch into a :class:`Call`: its layout (which
-rows belong to which stream, :func:`resolve`), its leaves as rows, its
-done, restart, reward and joint flags, its observation keys and final
-entries, its stream ends and its plan (one
-:func:`~cleanbuf.engine._kernels.one_pass` kernel call), its fingerprint (a
-batch written again), and every check a call must pass, each naming the
-key, what was expected, what came and the fix. Reading changes nothing.
+:meth:`Reader.read` works out the call's layout (:func:`resolve`), its leaves as rows, its flags,
+observation keys and final entries, its stream ends and plan (one
+:func:`~cleanbuf.engine._kernels.one_pass` kernel call) and its fingerprint, and runs every check a
+call must pass. What depends only on the batch's layout and key set is built once and cached
+(:class:`Schema`).
 
-What depends on the batch's layout and key set (the row-to-stream map, the
-observation keys, the reset groups, the rules) is worked out once and
-cached; per call there remain the flag views, the stream ends and the
-checks that compare them with the carry.
+A layout maps the flat rows (C order over the batch dimensions) to dense stream indices:
+``time_last`` (``[*E, T]``; a 1-D batch named ``["time"]`` or of length one is one stream),
+``step`` (``[E]``, one step of E streams) or ``stream_key`` (``[N]``, a per-row stream id).
 
-Layouts. A layout turns a batch into flat rows (C order over the batch
-dimensions) and gives each row a dense stream index. Three layouts exist:
+The flag readers return one numpy entry per row, or an empty array when the call has nothing of
+that kind (the kernel then skips it).
 
-* ``time_last``: batch ``[*E, T]``; each index of ``*E`` is a stream, stable
-  across calls. A 1-D batch named ``["time"]``, or of length one (what
-  ``ReplayBuffer.add`` passes), is a single stream.
-* ``step``: batch ``[E]``; each call is one step of ``E`` streams.
-* ``stream_key``: batch ``[N]``; a per-row key holds the stream id.
-
-Flags. Each returns a numpy array with one entry per row of the call, or an
-empty array when the call has nothing of that kind (the kernel then skips it).
-
-The fingerprint. The first row of each stream (its observation, and its
-trajectory id where the rows have TorchRL's ``("collector", "traj_ids")``),
-read in the same kernel pass as the stream ends and compared there with the
-last call's: how the cleaner's one undo recognises a batch written again
-(:class:`cleanbuf.engine._cleaner.Cleaner`). It travels with the call
-(``call.fingerprint``) and stays with the reader (``Reader.fingerprint``)
-when the call fails. With trajectory ids a batch again is recognised on
-every call; an id alone is not enough (a stream keeps its id for a whole
-episode), so the observation must match too. Without trajectory ids the
-fingerprint is read only when the call fails: a repeated batch does not
-follow its streams, so the continuity or the reset-row check refuses it,
-unless every stream ended or restarted right at its start; such a repeat is
-not recognised.
+The fingerprint (:class:`Fingerprint`), the first row of each stream, is compared with the last
+call's in the same kernel pass: the cleaner's undo uses it to recognise a batch written again
+(:class:`cleanbuf.engine._cleaner.Cleaner`); a failed call leaves it in ``Reader.fingerprint``.
+With trajectory ids it is checked on every call (ids and observations must both match: a stream
+keeps its id for a whole episode). Without them it is read only when a call fails (a repeat does
+not continue its streams, so a check refuses it); a repeat whose every stream ended or restarted at
+its first row passes those checks and is not recognised.
 """
 
 from __future__ import annotations
@@ -109,6 +90,7 @@ class CallLayout:
         steps: time steps per stream in this call (``T``; 1 for "step";
             0 for "stream_key", where it varies).
         new_stream_ids: stream ids seen for the first time (stream-key only).
+        n_streams: the number of streams (the product of ``stream_shape``).
     """
 
     kind: str
@@ -120,7 +102,6 @@ class CallLayout:
     n_streams: int = dataclasses.field(init=False)
 
     def __post_init__(self):
-        # The number of streams (the product of ``stream_shape``).
         object.__setattr__(self, "n_streams", int(np.prod(self.stream_shape, dtype=np.int64)))
 
     def stream_of(self, rows: np.ndarray) -> np.ndarray:
@@ -265,9 +246,7 @@ NONE.flags.writeable = False
 
 
 def restart_rows(options: Options, rows: Views) -> np.ndarray:
-    """Per row, whether it comes after a real reset of its env.
-
-    Read from ``is_init`` where the rows have it, else ``step_count == 0``.
+    """Per row, whether it follows a real reset of its env: ``is_init``, else ``step_count == 0``.
 
     Examples:
         >>> rows = Views({("is_init",): torch.tensor([True, False])}, 1, 2)
@@ -316,8 +295,7 @@ def reward_rows(options: Options, rows: Views) -> np.ndarray:
 def joint_rows(options: Options, rows: Views, done: np.ndarray) -> np.ndarray:
     """Per flat row, done at a step where its whole reset group was done (``joint_key``).
 
-    Time-aligned rows need no such flags: the planning kernel reads their
-    joint resets from the done flags of each step (``group``).
+    Empty for time-aligned rows: the kernel reads their joint resets from each step's done flags.
     """
     if not options.joint_reset or options.joint_key is None:
         return NONE
@@ -327,10 +305,8 @@ def joint_rows(options: Options, rows: Views, done: np.ndarray) -> np.ndarray:
 def fill_marks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row of ``x`` ``[R, ...]``: all zeros, and marked missing (the producer's fills).
 
-    Marked missing: any NaN (floating point), or -1 in every element
-    (signed integers), as TorchRL fills the next observation it does not
-    have. The rule :func:`stored_rows` reads (there in a numba kernel for
-    narrow rows) and the audit counts.
+    Marked missing: any NaN (floating point), or -1 in every element (signed integers), as
+    TorchRL fills a next observation it does not have. :func:`stored_rows` and the audit use it.
 
     Examples:
         >>> zero, marked = fill_marks(np.array([[0, 0], [-1, -1], [-1, 0], [3, 1]]))
@@ -356,17 +332,9 @@ def fill_marks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def stored_rows(rows: Views, obs_keys, done: np.ndarray) -> np.ndarray:
     """Per done row, whether its next observation is stored (read from the data).
 
-    A done row's ``("next", k)`` holds its terminal observation unless the
-    producer filled it in: zero-filled (every element of every observation
-    key exactly 0, as TorchRL's collectors leave a next-step done row) or
-    marked missing (any NaN in a floating-point key, or -1 in every element
-    of a signed-integer key: TorchRL's marks of a missing next observation,
-    :func:`fill_marks`). Any other value is stored: it is never replaced and
-    never counted as lost. The one ambiguity: a terminal observation that is
-    truly 0 in every element reads as zero-filled. Where its reset row
-    follows, that row's observation (the same zeros) is written back, so
-    nothing changes; where none follows (a flush, a restart, a joint reset)
-    it is counted lost. Only done rows are read (one small gather each).
+    Stored unless zero-filled (every element of every observation key exactly 0) or marked
+    missing (:func:`fill_marks`); see docs/rules.md, 'Core rule (next-step mode)'. A terminal
+    observation truly 0 in every element reads as zero-filled. Only done rows are read.
 
     Returns:
         bool ``[n_rows]`` (False on rows that are not done), or an empty
@@ -534,19 +502,14 @@ _EMPTY_BOOL = np.zeros(0, np.bool_)  # (writeable: the kernel's type of a stored
 class Schema:
     """What a batch's structure decides, worked out and checked once per structure.
 
-    A structure is the batch's layout and, per leaf, its key, dtype and
-    shape. Everything here depends on nothing else (with the options), so
-    :meth:`Reader.read` builds a schema, with every check of the
-    structure, the first time a structure comes, and reuses it after: a
-    call then reads only the values (flags, stream ends), checked against
-    the carry. A batch of another structure (a new key, another dtype,
-    shape or number of envs) builds its own schema, with every check.
+    A structure is the batch's layout and each leaf's key, dtype and shape; given the options,
+    nothing else changes the schema. :meth:`Reader.read` builds it, with every check of the
+    structure, the first time a structure comes; later calls read only the values.
 
     Attributes:
         done: where the done flags come from (:class:`~cleanbuf.engine._keys.DoneSource`).
-        empty_entry: outside same-step mode, whether the leaves hold a
-            final-observation mask (an entry that may be empty, dropped
-            per call: :func:`~cleanbuf.engine._keys.without_empty_final_entry`).
+        empty_entry: outside same-step mode, the leaves hold a final-observation mask (an entry
+            dropped per call if empty: :func:`~cleanbuf.engine._keys.without_empty_final_entry`).
         obs_keys: the observation keys.
         obs_only: the rows have no ``("next", k)`` observations.
         obs_schema: observation key -> (dtype, feature shape).
@@ -558,14 +521,11 @@ class Schema:
         marks: which batch-end rows may be a collector's mark (``NO_MARKS``,
             ``ANY_MARKS``, ``UNSTORED_MARKS``).
         group: the reset group size the kernel reads from done flags (0: none).
-        exact: the rows carry trajectory ids (a batch again is recognised
-            on every call).
+        exact: the rows carry trajectory ids.
         has_is_init: the rows hold the ``is_init`` the cleaner fixes.
         has_step_count: the rows hold a step count the cleaner fixes.
-        fills: the ``("next", k)`` key of the one observation key whose
-            done rows the kernel reads for zero- or NaN-filled terminal
-            observations (None: several keys, or a dtype numba lacks; then
-            :func:`stored_rows` reads them).
+        fills: the ``("next", k)`` key whose done rows the kernel reads for filled terminal
+            observations (None: several keys, or a dtype numba lacks: :func:`stored_rows`).
     """
 
     done: object
@@ -588,9 +548,7 @@ class Schema:
 def structure(layout: CallLayout, leaves: dict, batch_dims: int) -> tuple:
     """The key of a batch's :class:`Schema`: its layout, each leaf's key, dtype and shape.
 
-    Fixed layouts key on the whole shapes (the batch part is the layout's,
-    and reading them whole costs half); stream-key batches, whose row count
-    changes from call to call, on the row shapes.
+    Fixed layouts key on whole shapes; stream-key batches, whose row count varies, on row shapes.
     """
     cut = batch_dims if layout.kind == "stream_key" else 0
     leaf_keys = tuple([(k, v.dtype, v.shape[cut:]) for k, v in leaves.items()])
@@ -633,8 +591,7 @@ def build_schema(options: Options, layout: CallLayout, views: Views, batch_dims:
     ends = not obs_only and layout.kind != "stream_key"
     marks = NO_MARKS
     if rules.marks and (has_restart or ends):
-        # A collector writes trajectory ids; rows without them (raw loops)
-        # are never marked, so their stored batch-end truncations are ends.
+        # Without trajectory ids (no collector) a stored batch-end truncation is an end, not a mark.
         marks = ANY_MARKS if exact else UNSTORED_MARKS
     group = 0
     if opts.joint_reset and opts.joint_key is None:
@@ -740,7 +697,7 @@ class Reader:
             carry.obs_schema is not schema.obs_schema
             and carry.obs_schema
             and carry.obs_schema != schema.obs_schema
-            and not carry.is_blank()  # (is_blank: 3 us, read last)
+            and not carry.is_blank()  # (the costliest test, last)
         ):
             same_observations(carry.obs_schema, schema.obs_schema)
         if schema.final_of:
@@ -763,8 +720,7 @@ class Reader:
             and not np.count_nonzero(call.done)
             and call.carry.nothing_pending(schema.has_is_init, schema.has_step_count)
         )
-        # One kernel call: the stream ends, and the plan where there is one
-        # to make (a call with nothing to clean passes through as it is).
+        # One kernel call: the stream ends, and the plan unless the rows pass through.
         self._run_kernel(call, carry, before, plan or not call.as_is)
         self._check_ends(call)
         return call
@@ -790,12 +746,9 @@ class Reader:
     def _run_kernel(self, call: Call, carry: Carry, before: Fingerprint | None, plan: bool) -> None:
         """Reads the stream ends and plans the call in one kernel call (:func:`one_pass`).
 
-        Without ``plan`` (nothing to clean) the kernel call is
-        :func:`stream_ends` alone.
-
-        Sets ``call.ends`` (time-aligned full transitions: the other calls
-        have no stream ends), ``call.fingerprint`` and ``call.planned``
-        (where ``plan``).
+        Without ``plan`` the kernel call is :func:`stream_ends` alone. Sets ``call.ends``
+        (time-aligned full transitions only), ``call.fingerprint`` and, with ``plan``,
+        ``call.planned``.
 
         Raises:
             SameBatchAgain: the batch is the last call's again (trajectory ids).
@@ -854,10 +807,7 @@ class Reader:
         call.ends = CallEnds(LastRows(last, open_now), cont, first, repeats, broken)
 
     def _layout(self, td: TensorDictBase, carry: Carry) -> CallLayout:
-        """The call's layout, checked against the streams of the calls before.
-
-        Cached per batch shape for the fixed layouts.
-        """
+        """The call's layout, checked against the streams of the calls before (cached per shape)."""
         opts = self.options
         names = td.names if td.batch_dims else None
         if opts.layout == "stream_key":

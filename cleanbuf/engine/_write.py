@@ -1,32 +1,10 @@
-"""The rows writer: the output rows written.
+"""Writing a call's output (read -> plan -> **write**): rows moved into fresh tensors, then patched.
 
-The last part of a call's step (read -> plan -> **write**, over a
-:class:`~cleanbuf.engine._state.Carry`): the filter's output form. Holds
-the gathers that move the kept rows (read through the call's
-:class:`~cleanbuf.engine._keys.Views`) into fresh tensors (:func:`move`),
-the patches written into those copies (next observations, ``is_init``,
-step counts) and :class:`BufferPool`, which recycles the
-large output buffers. Nothing here decides anything: the plan says which
-rows, from where.
-
-Moving rows. Rows move with ``torch.index_select`` into a preallocated output (faster
-than the numba copiers it was measured against). Rows of at most
-``SMALL_ROW_BYTES`` on the CPU (flags, rewards, step counts, MuJoCo-like
-observations and actions) move with numpy's ``take`` instead: for them
-torch's dispatch costs more than the copy. The measurements behind both
-choices are in ``bench/README.md`` ("Design measurements"). Only the flags
-ever visit the CPU; on a CUDA device the rows never leave it.
-
-Reused buffers. A fresh allocation of a large output (an Atari-like batch is about 58 MB)
-costs more in page faults than the copy itself. The pool keeps one buffer
-per key and hands it out again only when nothing else references its
-memory any more: a tensor storage copies what it is given and drops it, so
-the buffer is free again at the next call; a ``ListStorage`` (or a user)
-that keeps the rows keeps the memory referenced, and the pool then
-allocates a new buffer instead of overwriting rows someone still holds.
-
-Patches. Everything here writes into fresh tensors made for the output (or the held
-rows); the caller's batch is never written.
+:func:`move` gathers the kept rows (``torch.index_select`` into a preallocated output; CPU rows
+of at most ``SMALL_ROW_BYTES`` with numpy's ``take``; on a CUDA device the rows never leave it),
+the patches write next observations, ``is_init`` and step counts into those copies, and
+:class:`BufferPool` recycles the large outputs. Nothing here decides anything: the plan says which
+rows, from where. The caller's batch is never written.
 """
 
 from __future__ import annotations
@@ -47,7 +25,11 @@ _use_count = storage_use_count  # None where torch cannot tell: never reuse
 
 
 class BufferPool:
-    """One reusable output buffer per key.
+    """One reusable output buffer per key (a large output's fresh allocation costs page faults).
+
+    A buffer is handed out again only when nothing else references its memory: a tensor storage
+    copies the rows and drops them, while a ``ListStorage`` (or a user) that keeps them keeps the
+    buffer, and the pool allocates a new one rather than overwrite rows someone still holds.
 
     Examples:
         >>> pool = BufferPool()
@@ -70,10 +52,7 @@ class BufferPool:
     def take(
         self, key, shape: tuple, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor | None:
-        """An uninitialized tensor of ``shape`` in reused memory.
-
-        None for a small one (cheap to allocate: let the caller allocate it).
-        """
+        """An uninitialized tensor of ``shape`` in reused memory; None for a small one."""
         rows, feature = shape[0], tuple(shape[1:])
         row_bytes = dtype.itemsize
         for d in feature:
@@ -105,15 +84,12 @@ class BufferPool:
         self._buffers = {}
 
 
-# Rows up to this size on the CPU move with numpy's take (see above).
+# Rows up to this size on the CPU move with numpy's take (torch's dispatch costs more).
 SMALL_ROW_BYTES = 128
 
 
 def index_tensor(index: np.ndarray, device=None) -> torch.Tensor:
-    """A numpy row index as a tensor on ``device``.
-
-    Without torch's warning about read-only arrays (the shared empty index
-    is one: copied, it costs nothing).
+    """A numpy row index as a tensor on ``device``, a read-only one copied (no torch warning).
 
     Examples:
         >>> index_tensor(np.array([2, 0])).tolist()
@@ -188,9 +164,7 @@ def gather(
     return out
 
 
-# From this many bytes a row, ``set_rows`` copies row by row: no slower
-# than one fancy-index assignment there, and it needs no temporary of all
-# the rows, which the memory benchmark sees at its peak (bench/README.md).
+# From this many bytes a row, ``set_rows`` copies row by row (no temporary of all the rows).
 ROW_LOOP_BYTES = 16 * 1024
 
 
@@ -240,8 +214,7 @@ def move(
         for k, x in moved.items():
             a = views[k]
             if a is not None and a.nbytes <= small:
-                # Small rows on the CPU: numpy's take (see above), whose
-                # result is kept as the output's numpy view for the patches.
+                # numpy's take; its result is also the output's numpy view for the patches.
                 a = _take_small(a, emit, held[k], rel_slots, size) if n_rel else a.take(emit, 0)
                 if a is not None:
                     out[k] = a
@@ -345,14 +318,10 @@ def write_next_obs(
 
 
 def fix_bookkeeping(rows: Views, offset, init_pos, row_shift, is_init_key, step_keys) -> None:
-    """Sets ``is_init`` and shifts the step counts of the given rows.
+    """Sets ``is_init`` at ``offset + init_pos`` and subtracts ``row_shift`` from the step counts.
 
-    ``is_init`` at ``offset + init_pos``; ``row_shift`` is subtracted from
-    the step counts (``step_keys``) of rows ``offset:``, where those keys
-    exist.
-
-    ``row_shift`` is int64 per row from ``offset`` on (to the last row), or
-    empty when no row shifts.
+    ``row_shift``: int64 per row from ``offset`` to the last row, or empty when no row shifts.
+    Keys (``is_init_key``, ``step_keys``) absent from ``rows`` are left alone.
     """
     if len(init_pos) and is_init_key in rows.tensors:
         fill_rows(rows, is_init_key, offset + init_pos if offset else init_pos, True)
@@ -414,17 +383,11 @@ def fill_rows(dst: Views, key, pos: np.ndarray, value) -> None:
 
 
 def as_td(leaves: dict, n_rows: int, device=None) -> TensorDictBase:
-    """Builds a TensorDict ``[n_rows]`` from tuple-keyed leaves.
+    """Builds a TensorDict ``[n_rows]`` from tuple-keyed leaves, skipping TensorDict's checks.
 
-    The leaves were made here with the right batch size and device, so the
-    TensorDict's checks are skipped (:func:`cleanbuf.engine._compat.new_tensordict`).
-
-    The TensorDict declares the device its leaves share (``device``, or the
-    leaves' common device when ``device`` is None), even when the batch
-    came without one, as TorchRL's collectors yield it. A storage compares
-    that device with its own and, when they differ, runs ``to()`` over every
-    leaf first, a third of a plain MuJoCo-like ``extend`` when measured.
-    Leaves on different devices keep ``device=None``.
+    The leaves must already have the batch size. It declares their device (``device``, or their
+    common one) even when the batch had none; see docs/rules.md, 'Core rule (next-step mode)'.
+    Leaves on different devices give ``device=None``.
 
     Args:
         leaves: tuple key -> tensor of ``n_rows`` rows.
