@@ -1,41 +1,30 @@
 """The stateful cleaner: TensorDict in, flat cleaned rows out.
 
-A call is one step over the producer's :class:`~cleanbuf.engine._state.Carry`
-(:meth:`Cleaner.clean`):
+A call (:meth:`Cleaner.clean`) is one step over the producer's
+:class:`~cleanbuf.engine._state.Carry`:
 
-1. **read** the batch (:meth:`Cleaner.read`, :mod:`cleanbuf.engine._read`):
-   its layout, flags, observation keys, stream ends, all checked; a batch
-   with nothing to clean passes through as views;
-2. **plan** it (:meth:`Cleaner.plan`, :mod:`cleanbuf.engine._plan`): the
-   numba kernel decides from flags only which rows to drop, hold or emit,
-   where each next observation comes from, and which held rows this call
-   releases;
-3. **write** the rows (:mod:`cleanbuf.engine._write`): move the kept rows
-   into fresh tensors, patch their next observations and bookkeeping
-   (never the caller's batch);
-4. **commit** (:meth:`Cleaner.commit`): the call's carry becomes current and
-   the counters count it.
+1. **read** (:meth:`Cleaner.read`, :mod:`cleanbuf.engine._read`): layout, flags, observation
+   keys and stream ends, checked; a batch with nothing to clean passes through as views;
+2. **plan** (:meth:`Cleaner.plan`, :mod:`cleanbuf.engine._plan`): the kernel decides, from
+   flags only, which rows to drop, hold or emit, where each next observation comes from and
+   which held rows are released;
+3. **write** (:mod:`cleanbuf.engine._write`): the kept rows moved into fresh tensors, their
+   next observations and bookkeeping patched (never the caller's batch);
+4. **commit** (:meth:`Cleaner.commit`): the call's carry becomes current, the counters count it.
 
-Everything that raises does so before the commit, so a failed call changes
-nothing. Around a call, and apart from it:
+Everything that raises does so before the commit, so a failed call changes nothing.
 
-- **one undo**: the cleaner keeps its state from before the last call, and
-  that call's fingerprint (the first row of each stream, compared with the
-  next call's by the kernel). A call whose batch is the last call's again
-  (its write into the buffer failed and it is written again) is cleaned as
-  if the last call had not happened; once the buffer is known to hold the
-  last call's rows (:meth:`Cleaner.last_call_stored`) the same batch again
-  is written twice, a :class:`~cleanbuf.ContinuityError`; once the write
-  is known to have failed (:meth:`Cleaner.undo_last_call`) the cleaner goes
-  back at once. Without trajectory ids, a batch is taken for the last one
-  again only when its call fails (a repeated batch does not follow its
-  streams), so a new batch that merely starts like the last one is never
-  undone;
-- :mod:`cleanbuf.engine._routing` picks the producer's carry, for batches
-  from several producers in turn (a single producer's call skips it);
-- :meth:`Cleaner.flush` releases the held rows at the end of collection.
+**The one undo**: the cleaner keeps its state from before the last call and that call's
+fingerprint (each stream's first row, compared by the kernel). That batch again (its write
+into the buffer failed) is cleaned as if the last call had not happened; once its rows are
+known stored (:meth:`Cleaner.last_call_stored`) it is written twice, a
+:class:`~cleanbuf.ContinuityError`; once its write is known failed
+(:meth:`Cleaner.undo_last_call`) the cleaner goes back at once. Without trajectory ids a
+batch is taken for the last one only when its call fails, so a new batch that merely starts
+like the last one is never undone.
 
-The whole state (carries and counters) is one
+:mod:`cleanbuf.engine._routing` picks the carry for batches of several producers;
+:meth:`Cleaner.flush` releases the held rows. The whole state (carries and counters) is one
 :class:`~cleanbuf.engine._state.State`, ``cleaner.state``.
 """
 
@@ -92,8 +81,8 @@ STAT_NAMES = (
 class Cleaner:
     """Cleans auto-reset data, call after call, keeping the carry state.
 
-    This is the engine behind :class:`cleanbuf.AutoresetFilter` and
-    :func:`cleanbuf.clean`; the options are documented there.
+    The engine of :class:`cleanbuf.AutoresetFilter` and :func:`cleanbuf.clean` (options
+    documented there).
 
     Args:
         options: the validated options.
@@ -117,13 +106,10 @@ class Cleaner:
     def __init__(self, options: Options, pool: BufferPool | None = None):
         self.options = options
         self.state = State(Carry(), [], dict.fromkeys(STAT_NAMES, 0))
-        # Batches may come from several producers whose trajectory ids can
-        # collide (Ray collectors, each with its own pool): told apart by
-        # their ids and observations, a batch continuing none starts a new
-        # producer. Set once by the filter inside a Ray actor.
+        # Set by the filter inside a Ray actor: producers whose trajectory ids may collide.
         self.many_producers = False
-        # The one undo (see the module): the state before the last call, that
-        # call's fingerprint, and whether its rows are known to be stored.
+        # The one undo (see the module): the state before the last call, its fingerprint,
+        # whether its rows are known stored.
         self._before: State | None = None
         self._fingerprint: Fingerprint | None = None
         self._stored = False
@@ -143,10 +129,8 @@ class Cleaner:
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         """Cleans one call's batch; returns the rows to store, flat ``[M]``.
 
-        A batch that comes again right after its call (its write into the
-        buffer failed) is cleaned as if that call had not happened: the rows
-        it released come again (the undo, see the module). A call that
-        fails leaves the cleaner as it was.
+        A call that fails leaves the cleaner as it was; the last call's batch again is the
+        undo (see the module).
 
         Examples:
             >>> import torch
@@ -189,15 +173,12 @@ class Cleaner:
     def _again(self, td: TensorDictBase, undo: State, err: Exception) -> tuple:
         """The last call's batch again: cleaned from before that call, or refused.
 
-        Returns the rows and the state to undo them to. Refused (the state
-        as ``undo``, before this call) where the last call's rows were
-        stored, or where the batch fails from there too.
+        Returns the rows and the state to undo them to. Refused, the state left as ``undo``,
+        where the last call's rows were stored or the batch fails from there too.
         """
         before = self._before
         if self._stored:
-            # The first rows alone may match another batch (a fresh start of
-            # every stream looks the same each time): it is the same batch if
-            # it cleans from where the last call started.
+            # First rows alone may match (every stream restarting): same if it cleans from before.
             self.state = before.snapshot()
             try:
                 self.step(td, None)
@@ -228,9 +209,8 @@ class Cleaner:
             before: the last call's fingerprint (a batch written again).
 
         Returns:
-            The rows to store. The call's fingerprint (None where the call
-            reads no stream ends) is left in ``self._reader.fingerprint``,
-            where a call that fails leaves it too.
+            The rows to store. The call's fingerprint (None where it reads no stream ends)
+            is left in ``self._reader.fingerprint``, by a failed call too.
         """
         key = None  # one producer: no routing at all
         if self.many_producers or self.options.producer_key is not None:
@@ -275,23 +255,17 @@ class Cleaner:
     ) -> Call:
         """Reads and checks a batch (:class:`cleanbuf.engine._read.Reader`); changes nothing.
 
-        The call is planned in the same kernel call (``call.planned``,
-        which :meth:`plan` then uses), except one with nothing to clean
-        unless ``plan``; ``keep_lost`` keeps the rows whose next
-        observation is lost.
-        ``before`` is the last call's fingerprint (a batch written again).
+        The same kernel call plans it (``call.planned``, used by :meth:`plan`), unless it
+        has nothing to clean and not ``plan``. ``keep_lost`` keeps the rows whose next
+        observation is lost; ``before`` is the last call's fingerprint.
         """
         return self._reader.read(td, self.state.carry, before, plan, keep_lost)
 
     def _pass_through(self, call: Call) -> TensorDictBase:
-        """Every row as it came, as views of the batch.
-
-        Disabled mode, or a call with nothing to clean.
-        """
+        """Every row as it came, as views of the batch (disabled mode, or nothing to clean)."""
         carry, layout = call.carry, call.layout
         if carry is not None:
-            # A pending is_init fix can only be left here if the rows have no
-            # is_init: it is moot, forget it.
+            # A pending is_init fix left here means the rows have no is_init: moot.
             carry.forget_pending_init()
             if call.ends is not None:
                 carry.last = call.ends.last
@@ -305,25 +279,21 @@ class Cleaner:
         if views.batch_dims == 1:  # already rows: the batch's own leaves
             return as_td(call.moved, layout.n_rows, call.device)
         rows = {}
-        for k in call.moved:  # (as_tensor of the numpy view where there is one: 3x cheaper)
+        for k in call.moved:  # (from the numpy view where there is one: cheaper)
             a = views.get(k)
             rows[k] = views.flat(k) if a is None else torch.from_numpy(a)
         return as_td(rows, layout.n_rows, call.device)
 
     # -------------------------------------------------------------- 2. plan
     def plan(self, call: Call) -> Plan:
-        """Plans a call that :meth:`read` returned (:func:`cleanbuf.engine._plan.plan`).
-
-        Changes nothing.
-        """
+        """Plans a call that :meth:`read` returned (``_plan.plan``); changes nothing."""
         return plan_call(call, self.options)
 
-    # ---------------------------------------------------------- 3-4. move
+    # ------------------------------------------------------- 3. write: move
     def _move(self, call: Call, plan: Plan) -> tuple[Views, dict]:
         """Gathers the output rows and the rows to hold.
 
-        The output has the released held rows first, then the emitted rows;
-        every key the patches write is a copy.
+        Released held rows first, then the emitted rows; every key the patches write is a copy.
         """
         opts, sel, release = self.options, plan.sel, plan.release
         patched = set()
@@ -342,7 +312,7 @@ class Cleaner:
             call.layout.n_rows, patched, self._pool,
         )  # fmt: skip
 
-    # -------------------------------------------------------------- 5. patch
+    # ------------------------------------------------------ 3. write: patch
     def _patch(self, call: Call, plan: Plan, out: Views, new_held: dict) -> None:
         """Writes next observations, ``is_init`` and step counts into the copies."""
         opts, sel, release = self.options, plan.sel, plan.release
@@ -357,12 +327,12 @@ class Cleaner:
         if new_held:
             fix_bookkeeping(Views(new_held), 0, sel.hold_init, sel.hold_shift, *keys)
 
-    # ------------------------------------------------------------- 6. commit
+    # ------------------------------------------------------------ 4. commit
     def commit(self, call: Call, plan: Plan, new_held: dict) -> None:
         """Makes the call's carry state current and counts the call.
 
-        Nothing here raises. (The kernel returned a fresh carry array, so
-        until here the old state was untouched.)
+        Nothing here raises (the kernel returned a fresh carry array: the old state is
+        untouched until here).
         """
         carry, sel, release = call.carry, plan.sel, plan.release
         carry.per_stream = plan.per_stream
@@ -394,11 +364,9 @@ class Cleaner:
     def expect_reset_rows(self, stream_ids: np.ndarray) -> None:
         """Says that these streams of flat rows start with a reset row.
 
-        For rows that begin after an episode end whose done row is gone (a
-        wrapped buffer overwrote it, and kept its reset row): the reset row
-        is dropped and the next episode's bookkeeping fixed, as after any
-        episode end. ``layout="stream_key"`` only, before the streams'
-        first rows.
+        For rows whose done row a wrapped buffer overwrote, keeping its reset row: that row
+        is dropped and the next episode's bookkeeping fixed. ``layout="stream_key"`` only,
+        before the streams' first rows (else a ``CleanbufError``).
 
         Examples:
             >>> import torch
@@ -434,9 +402,8 @@ class Cleaner:
     def last_call_stored(self) -> None:
         """Says that the last call's rows were stored.
 
-        The same batch again is then written twice (a
-        :class:`~cleanbuf.ContinuityError`), never taken for a retry of a
-        failed write.
+        The same batch again is then written twice (a :class:`~cleanbuf.ContinuityError`),
+        never a retry of a failed write.
         """
         if self._before is not None:
             self._stored = True
@@ -444,8 +411,8 @@ class Cleaner:
     def undo_last_call(self) -> bool:
         """Goes back to before the last call, whose rows never reached the buffer.
 
-        The rows that call released are held again, its counters undone.
-        Returns whether there was a call to undo.
+        The rows it released are held again, its counters undone. Returns whether there
+        was a call to undo.
         """
         if self._before is None or self._stored:
             return False
@@ -457,19 +424,17 @@ class Cleaner:
         self._before, self._fingerprint, self._stored = None, None, False
 
     def flush(self, on_lost_terminal_obs: str | None = None) -> TensorDictBase:
-        """Returns the held rows (flat ``[H]``) and forgets them.
+        """Returns the held rows (flat ``[H]``), producer after producer, and forgets them.
 
-        A held row waits for the row after it: the reset row holding its
-        terminal observation (next-step data), or its successor
-        (observation-only data). At a flush that row will not come. A held
-        done row whose next observation is stored (an undecided batch-end
-        mark's, as the kernel found it when it held the row) is complete
-        and returned as it is; any other held row has lost its next
-        observation, and the lost-observation policy applies
-        (counted in ``terminal_obs_missing`` for done rows and
-        ``next_obs_missing`` for the others). A reset row arriving after a
-        flush is still recognised and dropped. With several producers, every
-        producer's held rows, producer after producer.
+        What becomes of each held row: :func:`flush_carry`. A reset row arriving after a
+        flush is still recognised and dropped.
+
+        Args:
+            on_lost_terminal_obs: the lost-observation policy for this flush; None: the
+                option's.
+
+        Raises:
+            CleanbufError: an unknown policy (nothing flushed).
         """
         self._forget_last_call()  # a flush is no call to repeat
         options = self.options
@@ -557,17 +522,12 @@ def _checked_stats(stats, carries: list) -> dict:
 def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
     """Returns ``carry``'s held rows (flat ``[H]``), forgets them, and counts them.
 
-    A held row waits for the row after it: the reset row holding its
-    terminal observation (next-step data), or its successor
-    (observation-only data). At a flush that row will not come. What each
-    held row is was decided by the kernel when it held it, and is in the
-    carry's flags (:meth:`~cleanbuf.engine._state.Carry.held_marks`): a
-    batch-end mark still undecided whose next observation is stored is
-    complete and returned as it is; any other held row (a done row whose
-    terminal observation was not stored, an observation-only row) has lost
-    its next observation, and the lost-observation policy applies (counted
-    in ``terminal_obs_missing`` for done rows and ``next_obs_missing`` for
-    the others). ``carry`` and ``stats`` are updated in place.
+    The row each one waits for (its reset row, or its successor) will not come. The kernel
+    decided what each is when it held it (:meth:`~cleanbuf.engine._state.Carry.held_marks`):
+    an undecided batch-end mark whose next observation is stored is returned as it is; any
+    other row has lost its next observation and gets the lost-observation policy (counted in
+    ``terminal_obs_missing`` for done rows, ``next_obs_missing`` for the others). Updates
+    ``carry`` and ``stats`` in place.
     """
     n_held = len(carry.held_stream)
     if n_held == 0:
@@ -578,10 +538,7 @@ def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
     done = done_flags(Views(rows, 1, n_held), options.done_key)
     marked, marks_seen, stored = carry.held_marks()
     missing = ~(marked & stored)
-    # An undecided mark whose next observation is not stored: where the
-    # producer showed that it marks batch ends, maybe no episode end at all
-    # (its next observation is missing); else a real end whose terminal
-    # observation was zero-filled (lost).
+    # Undecided mark without its next obs: no end where the producer marks batch ends, else lost.
     done = done & ~(marked & marks_seen)
     n_terminal = int((missing & done).sum())
     n_next = int((missing & ~done).sum())

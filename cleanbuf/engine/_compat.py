@@ -1,9 +1,7 @@
-"""The places where this side of cleanbuf leans on what torch or tensordict do not promise.
+"""The places where the engine leans on what torch or tensordict do not promise.
 
-Each function here uses a private name or an implementation detail, falls
-back to public behaviour when that is gone, and has a test in
-``tests/test_compat.py`` that fails when the private name disappears, so a
-new release shows up there first.
+Each function uses a private name, falls back to public behaviour when it is gone, and has a
+test in ``tests/test_compat.py`` that fails when the private name disappears.
 """
 
 from __future__ import annotations
@@ -16,9 +14,8 @@ import torch
 def tensordict_children(td: Any) -> dict | None:
     """The key -> value dict a plain ``TensorDict`` keeps (``td._tensordict``).
 
-    Reading it directly is much cheaper than
-    ``items(include_nested=True, leaves_only=True)``. None where it is gone:
-    the caller then walks the public ``items()``.
+    Cheaper than ``items(include_nested=True, leaves_only=True)``; None where it is gone
+    (the caller then walks ``items()``).
 
     Examples:
         >>> from tensordict import TensorDict
@@ -32,8 +29,8 @@ def tensordict_children(td: Any) -> dict | None:
 def new_tensordict(nested: dict, batch_size: torch.Size, device: Any) -> Any:
     """A ``TensorDict`` of leaves known to fit ``batch_size`` and ``device``.
 
-    ``TensorDict._new_unsafe`` skips the checks, as TorchRL does on its own
-    hot paths; the public constructor where it is gone.
+    ``TensorDict._new_unsafe`` (no checks, as on TorchRL's hot paths); the public
+    constructor where it is gone.
 
     Examples:
         >>> new_tensordict({"a": torch.zeros(2)}, torch.Size([2]), None).batch_size
@@ -50,8 +47,8 @@ def new_tensordict(nested: dict, batch_size: torch.Size, device: Any) -> Any:
 def storage_use_count(t: torch.Tensor) -> int | None:
     """How many tensors share ``t``'s memory, plus one for the query itself.
 
-    ``torch._C._storage_Use_Count``; None where it is gone (the buffer pool
-    then never reuses a buffer, which is safe).
+    ``torch._C._storage_Use_Count``; None where it is gone (the buffer pool then never
+    reuses a buffer: safe).
 
     Examples:
         >>> storage_use_count(torch.zeros(3)) is not None

@@ -1,11 +1,9 @@
 """Dicts of arrays in and out: the one conversion the repair, ``clean`` and ``audit`` share.
 
-Raw loops keep their rollouts as (nested) dicts of numpy arrays or torch
-tensors. The engine reads TensorDicts, so a dict comes in through
-:func:`to_tensordict` and its rows go back, in the same kind of array and
-the same key style, through :func:`to_dict`. Keys may be nested dicts, tuple
-keys (``("next", "done")``) or ``"/"``-joined names as in ``.npz`` files
-(``"next/done"``, which :func:`to_dict` keeps).
+A (nested) dict of numpy arrays or torch tensors comes in through :func:`to_tensordict` and
+goes back, as the same kind of array and key style, through :func:`to_dict`. Keys may be
+nested dicts, tuple keys (``("next", "done")``) or ``"/"``-joined names as in ``.npz`` files
+(``"next/done"``).
 """
 
 from __future__ import annotations
@@ -78,24 +76,21 @@ def to_tensordict(
 ) -> tuple[TensorDictBase, bool]:
     """A dict of arrays as a TensorDict (sharing memory), and whether it held numpy arrays.
 
-    The batch dimensions are ``batch_dims``, or those of the done array: a
-    trailing dimension of size 1 is TorchRL's flag dimension (``[..., 1]``).
-    With ``time_first``, not when every array has it: that is a rollout of
-    one env stored CleanRL's way (done ``[T, 1]``, observations ``[T, 1,
-    ...]``).
+    Without ``batch_dims``, those of the done array, less a trailing size-1 flag dimension
+    (TorchRL's ``[..., 1]``); with ``time_first``, kept when every array has it (one env
+    stored CleanRL's way: done ``[T, 1]``, observations ``[T, 1, ...]``).
 
     Args:
         data: the dict (see the module).
         caller: the call the user made, for the error messages.
-        batch_dims: the number of batch dimensions; None reads them from
-            the done array.
+        batch_dims: the number of batch dimensions; None reads them from the done array.
         time_first: the arrays are a rollout ``[T, E, ...]``.
         takes_batch_dims: the caller takes ``batch_dims=`` (the errors say so).
         done_key: the done key the user named (``done_key=``), read first.
 
     Raises:
-        InputError: no done array (and no ``batch_dims``), arrays that
-            disagree on the batch shape, values that are not arrays.
+        InputError: no done array (and no ``batch_dims``), arrays that disagree on the
+            batch shape, values that are not arrays, numpy mixed with torch.
 
     Examples:
         >>> td, as_numpy = to_tensordict(

@@ -1,15 +1,10 @@
 """Which batch axis is time, from the data: the one axis detector, online and offline.
 
-Within one stream a row's next observation is the next row's observation,
-byte for byte, except where an episode ended; across streams it is not. A
-collector's batch is ``[E, T]`` (time last); steps stacked with
-``torch.stack(rows, dim=0)``, CleanRL and Stable-Baselines3 buffers are
-``[T, E]``. :func:`time_axis` tells which axis of ``[A, B, ...]`` arrays is
-time where the data says it, and why; :func:`batch_time_axis` reads the
-observation pair and the done flags of a TensorDict for it. The filter asks
-at its first write, the repair on its first batch and on an error, the
-offline side when it reads a rectangle. Tensors are compared on their own
-device: only the per-row flags cross to the host.
+Within one stream a row's next observation is the next row's observation, byte for byte,
+except where an episode ended; across streams it is not. :func:`time_axis` reads this from
+``[A, B, ...]`` arrays, :func:`batch_time_axis` from a TensorDict. Tensors are compared on
+their own device: only the per-row flags cross to the host. See docs/rules.md, "The first
+write".
 """
 
 from __future__ import annotations
@@ -79,10 +74,10 @@ def _chained(obs: Any, next_obs: Any, done: np.ndarray, axis: int) -> tuple[int,
 def time_axis(obs: Any, next_obs: Any, done: Any) -> tuple[int | None, str]:
     """The time axis (0 or 1) of ``[A, B, ...]`` arrays or tensors, and the evidence.
 
-    Along the time axis at least 90% of the compared pairs chain (a row's
-    next observation is the next row's observation); along the env axis
-    under half do. Done rows are not compared. With one entry along an
-    axis (one step of several envs) the other axis only has to break.
+    Along the time axis at least 90% of the compared pairs chain (a row's next observation
+    is the next row's observation), along the env axis under half; done rows are not
+    compared. With one entry along an axis (one step of several envs) the other axis need
+    only break.
 
     Args:
         obs: ``[A, B, ...]`` observations (numpy or torch).
@@ -123,11 +118,10 @@ def time_axis(obs: Any, next_obs: Any, done: Any) -> tuple[int | None, str]:
 def batch_time_axis(td: Any, options: Options) -> int | None:
     """The time axis of a 2-D TensorDict ``[A, B]``, where its data tells; else None.
 
-    Reads the first observation key with its ``("next", ...)`` twin and the
-    done flags (``options.done_key``, else ``("next", "done")``, else
-    terminated | truncated). Both axes must have at least two entries.
-    Never raises: a batch too odd to tell gets None (the cleaner's own
-    checks say what is wrong with it).
+    Reads the first observation key, its ``("next", ...)`` twin and the done flags
+    (``options.done_key``, else ``("next", "done")``, else terminated | truncated); both
+    axes need two entries. Never raises: a batch too odd to tell gets None (the cleaner's
+    checks say what is wrong).
 
     Examples:
         >>> from tensordict import TensorDict

@@ -1,31 +1,9 @@
 """Rollouts kept whole: the cleaner's plan written into the batch, time axis kept.
 
-The second writer of the step (read -> plan -> **write**): it reads, plans
-and commits through :class:`~cleanbuf.engine._cleaner.Cleaner`'s public
-``read``, ``plan`` and ``commit``, and writes the plan in place of
-:mod:`cleanbuf.engine._write`'s flat rows.
-
-The filter's output form drops rows; on-policy learners need the ``[*E, T]``
-batch their value estimators walk. This second output form reads and plans a
-call with the same :class:`~cleanbuf.engine._cleaner.Cleaner` (the same
-kernel decides the reset rows, the terminal observations, the held rows and
-the bookkeeping fixes) and writes the plan into a copy of every row instead
-of moving the kept ones:
-
-* a done row gets its terminal observation (from its reset row, or from
-  its final-observation entry in same-step data);
-* a reset row stays in place, made inert for every value estimator (done
-  and terminated, not truncated, reward 0: it neither continues the old
-  episode nor bootstraps into the new one) and masked;
-* ``is_init`` and the step counts are fixed on the valid rows;
-* a row whose terminal observation is lost follows the lost-observation
-  policy: NaN (never a zero to bootstrap from), masked (``"drop"``: see
-  :class:`Rollouts`), or kept as stored;
-* where the filter holds a done row until the next call (its reset row is
-  the next call's first row), the call's whole last column waits: call ``k``
-  returns the column held by call ``k - 1`` and its own first ``T - 1``
-  steps, so every returned batch stays a rectangle and every done row in it
-  is complete.
+The second writer of the step (read -> plan -> **write**): it reads, plans and commits through
+:class:`~cleanbuf.engine._cleaner.Cleaner`'s public ``read``, ``plan`` and ``commit``, and
+writes the plan into a copy of every row instead of :mod:`cleanbuf.engine._write`'s flat rows.
+What the batch becomes: docs/rules.md, "The repair's core rule" and "The repair's shape".
 
 Nothing here knows TorchRL: :class:`cleanbuf.RolloutRepair` is the shell.
 """
@@ -78,17 +56,10 @@ class _Rows:
 class Rollouts:
     """The cleaner's second output form: batches ``[*E, T]`` repaired, time axis kept.
 
-    The engine of :class:`cleanbuf.RolloutRepair` (documented there). Each
-    call takes a time-last batch ``[*E, T]`` (a 1-D batch named ``["time"]``
-    is one stream) and returns one of the same streams, every row marked in
-    ``mask_key`` (True: a transition of the explicit-reset run).
-
-    Lost terminal observations under ``on_lost_terminal_obs="drop"`` are
-    masked, and their next observation becomes their own observation: the
-    estimators bootstrap that row, and through it the earlier rows of its
-    episode (which stay valid), from ``V(s_{T-1})`` instead of ``V(s_T)``,
-    as TorchRL's ``GAE(auto_reset_env=True)`` does (a terminated row is not
-    bootstrapped, so it is exact).
+    The engine of :class:`cleanbuf.RolloutRepair` (documented there). Each call takes a
+    time-last batch ``[*E, T]`` (a 1-D batch named ``["time"]`` is one stream) and returns
+    one of the same streams, every row marked in ``mask_key`` (True: a transition of the
+    explicit-reset run).
 
     Args:
         options: the cleaner's options (time-last layout).
@@ -134,10 +105,10 @@ class Rollouts:
         return self.cleaner.options
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        """Repairs one batch ``[*E, T]``; returns ``[*E, T']`` (see the module).
+        """Repairs one batch ``[*E, T]``; returns ``[*E, T']``.
 
-        A batch without steps (``[*E, 0]``) changes nothing and comes back as
-        it is, with an empty mask.
+        See docs/rules.md, "The repair's shape". A batch without steps (``[*E, 0]``) changes
+        nothing and comes back as it is, with an empty mask.
         """
         self._check_shape(td)
         if isinstance(td, TensorDictBase) and td.batch_dims and td.batch_size[-1] == 0:
@@ -195,7 +166,10 @@ class Rollouts:
         }
 
     def _lost(self, rows: _Rows, lost: np.ndarray, obs_keys: list, policy: str) -> None:
-        """Applies the lost-observation policy to ``lost`` rows (see :class:`Rollouts`)."""
+        """Applies the lost-observation policy to ``lost`` rows.
+
+        See docs/rules.md, "Lost terminal observations in a repaired batch".
+        """
         if not len(lost) or policy == "keep":
             return
         for k in obs_keys:
@@ -240,11 +214,7 @@ class Rollouts:
         return held
 
     def _unmark(self, rows: _Rows, marks: np.ndarray) -> None:
-        """A collector's batch-end marks that were no episode end: not done.
-
-        The held column is no batch end any more, so the estimators must
-        chain through these rows as through any other step of the episode.
-        """
+        """Batch-end marks that were no episode end: not done, so the estimators chain through."""
         if not len(marks):
             return
         for key in (DONE_KEYS[0], DONE_KEYS[2], self.options.done_key):
@@ -271,9 +241,8 @@ class Rollouts:
     def _count_out(self, rows: _Rows, done=None) -> None:
         """Counts the rows returned, by kind, and the episode ends among them.
 
-        An episode end is a returned done row that is no reset row: a
-        collector's batch-end mark counts once it is returned done (one
-        decided as no end is returned not done), as the filter counts it.
+        An episode end is a returned done row that is no reset row (a batch-end mark counts
+        once it is returned done), as the filter counts it.
         """
         s, kind = self._stats, rows.kind
         # done: the call's DoneSource (its rows were read and checked), or None
@@ -320,10 +289,8 @@ class Rollouts:
     def flush(self) -> TensorDictBase | None:
         """Returns the held column ``[*E, 1]`` (None when nothing is held).
 
-        Its done rows still waiting for their reset row lose their terminal
-        observation (the lost-observation policy applies, counted), unless
-        their next observation is stored (a batch-end mark still undecided,
-        as the kernel found it when it held the row: returned as it is).
+        Its waiting rows get the lost-observation policy (counted), except undecided
+        batch-end marks whose next observation is stored (returned as they are).
         """
         if self._held is None:
             return None
@@ -359,8 +326,8 @@ class Rollouts:
         """Restores what :meth:`state_dict` returned.
 
         Raises:
-            StateError: a field missing or of the wrong kind (named), checked
-                before anything changes.
+            StateError: a field missing or of the wrong kind (named), checked before
+                anything changes.
         """
         check_rollout_state(state)
         self.cleaner.load_state_dict(state["cleaner"])
@@ -427,8 +394,8 @@ def _field_error(field: str, expected: str, got: str) -> StateError:
 def _copies(views: Views, keys, n: int) -> _Rows:
     """Copies of the call's rows (``keys``), to patch.
 
-    numpy's copies where the rows have numpy views (a fraction of torch's
-    per-leaf cost), kept as the copies' views; torch's clone elsewhere.
+    numpy copies (cheaper per leaf) where the rows have numpy views, kept as the copies'
+    views; torch's clone elsewhere.
     """
     tensors, arrays = {}, {}
     for k in keys:
@@ -446,8 +413,8 @@ def _copies(views: Views, keys, n: int) -> _Rows:
 def _columns(head: _Rows | None, body: _Rows, n_streams: int, steps: int, hold: bool):
     """Per stream, the head's row (if any), then the body's rows but its last if ``hold``.
 
-    Returns ``(out, held)``: the held rows are each stream's last (None
-    unless ``hold``). Each leaf is written once, into one new tensor.
+    Returns ``(out, held)``: the held rows are each stream's last (None unless ``hold``).
+    Each leaf is written once, into one new tensor.
     """
     if head is None and not hold:
         return body, None
@@ -459,8 +426,7 @@ def _columns(head: _Rows | None, body: _Rows, n_streams: int, steps: int, hold: 
         if h is not None and (h.dtype != a.dtype or h.shape[1:] != a.shape[1:]):
             h = None  # (torch below says what differs)
         if a is not None and (h is not None or not n_head):
-            # CPU rows: numpy, whose per-call cost is a fraction of torch's; the
-            # arrays are kept as the rows' views
+            # CPU rows: numpy (cheaper per call than torch), arrays kept as the rows' views
             feature = a.shape[1:]
             by_stream = a.reshape(n_streams, steps, *feature)
             out = np.empty((n_streams, n_head + keep, *feature), a.dtype)
