@@ -169,33 +169,33 @@ class FilterSubject(Subject):
         self.filt = AutoresetFilter(mode, **options)
         self.storage = FlakyStorage(10_000)
         self.rb = ReplayBuffer(storage=self.storage, transform=self.filt)
-        self.gaps: list = []  # (start, end) slots a failed write left unwritten
 
     def feed(self, item: Any) -> None:
         self.rb.extend(item)
 
     def fail_write(self, item: Any) -> None:
-        """Extends with ``item`` while the storage fails; records the slots it skipped.
+        """Extends with ``item`` while the storage fails.
 
-        TorchRL's writer moves its cursor before the storage writes, so a
-        failed write leaves a gap of unwritten slots.
+        TorchRL's writer moves past the slots before the storage writes; the
+        filter puts it back once it sees the write failed.
         """
         self.storage.fail_next = True
-        start = self.rb.write_count
         with pytest.raises(OSError, match="injected"):
             self.rb.extend(item)
-        self.gaps.append((start, self.rb.write_count))
 
     def stored(self) -> Any:
-        """The rows the buffer holds, without the gaps failed writes left."""
+        """Every slot the buffer's writer passed, once the filter settled its last write.
+
+        A failed write must leave no slot holding nothing behind the writer
+        (a sampler would draw it): the writer has written as many rows as
+        the buffer holds.
+        """
+        _ = self.filt.stats  # (settles the last write: a failed one puts the writer back)
         n = self.rb.write_count
+        assert n == len(self.rb), f"the writer passed {n} slots, the buffer holds {len(self.rb)}"
         if not n or self.storage._storage is None:
             return None
-        rows = self.storage._storage[:n]
-        keep = torch.ones(n, dtype=torch.bool)
-        for start, end in self.gaps:
-            keep[start:end] = False
-        return rows[keep].clone()
+        return self.storage._storage[:n].clone()
 
     def state(self) -> bytes:
         return state_bytes(self.filt.state_dict())

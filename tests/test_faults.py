@@ -31,7 +31,9 @@ def test_a_failed_write_then_the_same_batch_again(traj_ids, options):
     the user writes the same batch again. Bugs caught: the held rows the
     failed call released lost for good (the filter had moved on), the
     batch's reset rows kept on the second try (their done rows no longer
-    pending), the stats counting the batch twice.
+    pending), the stats counting the batch twice, and the slots the failed
+    extend passed left holding nothing (TorchRL moves its writer first: the
+    retry stored after them, a sampler drawing uninitialised rows).
     """
     calls = _calls(traj_ids)
     filt = AutoresetFilter("next_step", **options)
@@ -44,23 +46,54 @@ def test_a_failed_write_then_the_same_batch_again(traj_ids, options):
     storage = FlakyStorage(1000)
     filt = AutoresetFilter("next_step", **options)
     rb = ReplayBuffer(storage=storage, transform=filt)
-    gap = None
+    failed = False
     for batch in calls:
-        if filt.stats["rows_held"] and gap is None:  # this call releases held rows
+        if filt.stats["rows_held"] and not failed:  # this call releases held rows
             storage.fail_next = True
-            start = rb.write_count
             with pytest.raises(OSError, match="injected"):
                 rb.extend(batch)
-            # TorchRL's writer moves its cursor (and write_count) before the
-            # storage writes, so the failed write leaves a gap of unwritten
-            # slots, and len(rb) no longer counts to the last row.
-            gap = (start, rb.write_count)
+            failed = True
         rb.extend(batch)
     filt.flush(rb)
-    assert gap is not None and gap[1] > gap[0]
+    assert failed
     assert filt.stats == want_stats
-    rows = storage._storage[: rb.write_count]  # (get() stops at len(rb), short of the end)
-    assert_same_rows(torch.cat([rows[: gap[0]], rows[gap[1] :]]), want)
+    # TorchRL's writer moves past the slots before the storage writes: the
+    # filter puts it back, so the retry fills them and none holds nothing.
+    assert rb.write_count == len(rb) == len(want)
+    assert_same_rows(rb[: len(rb)], want)
+
+
+def test_a_failed_flush_write_flushed_again():
+    """The storage raises on the flush's write; the user flushes again.
+    Bugs caught: the held rows forgotten by the failed flush (nothing to
+    flush the second time), and the slots the failed write's extend passed
+    left holding nothing (its rows stored after them, the gap sampled: a
+    lost terminal observation read as a random float instead of NaN).
+    """
+    calls = _calls(False)
+    want_rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=AutoresetFilter("next_step"))
+    for k, batch in enumerate(calls):  # up to a call that ends holding rows
+        want_rb.extend(batch)
+        if want_rb.transform[0].stats["rows_held"]:
+            calls = calls[: k + 1]
+            break
+    want_rb.transform[0].flush(want_rb)
+    want = want_rb[: len(want_rb)]
+
+    storage = FlakyStorage(1000)
+    filt = AutoresetFilter("next_step")
+    rb = ReplayBuffer(storage=storage, transform=filt)
+    for batch in calls:
+        rb.extend(batch)
+    held = filt.stats["rows_held"]
+    assert held, "no held row: the flush writes nothing"
+    storage.fail_next = True
+    with pytest.raises(OSError, match="injected"):
+        filt.flush(rb)
+    assert filt.stats["rows_held"] == held, "the failed flush forgot the held rows"
+    filt.flush(rb)
+    assert rb.write_count == len(rb) == len(want)
+    assert_same_rows(rb[: len(rb)], want)
 
 
 def test_a_storage_of_two_dimensions_is_refused():

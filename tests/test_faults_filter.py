@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import gc
 import pickle
+import re
 import warnings
 
 import pytest
@@ -879,16 +880,25 @@ def _holding_an_integer_row():
 
 def test_the_warning_after_a_flush_that_raised_gives_the_flush_that_works():
     """A flush that raised (integer observations: NaN cannot mark the lost
-    one), then the filter goes, still holding the row. Bug caught: the
+    one), then the filter goes, still holding the row. Bugs caught: the
     warning told the user to "call filt.flush(rb)", the very call that had
-    just raised, instead of the one with a policy.
+    just raised, instead of the one with a policy; and it offered
+    on_lost_terminal_obs='nan', which raises for integer observations:
+    each policy it names must store the row when run as printed.
     """
     filt, rb = _holding_an_integer_row()
     with pytest.raises(TerminalObservationLostError):
         filt.flush(rb)
-    with pytest.warns(CleanbufWarning, match=r"flush raised.*on_lost_terminal_obs="):
+    with pytest.warns(CleanbufWarning, match=r"flush raised.*on_lost_terminal_obs=") as record:
         del filt, rb
         gc.collect()
+    said = " ".join(str(w.message) for w in record)
+    policies = re.findall(r"'(keep|drop|nan|raise)'", said[said.index("flush raised") :])
+    assert policies and "nan" not in policies, said
+    for policy in policies:
+        filt, rb = _holding_an_integer_row()
+        filt.flush(rb, on_lost_terminal_obs=policy)  # as printed: it must not raise
+        assert filt.stats["rows_held"] == 0
 
 
 def test_integer_observations_have_a_way_out_at_flush():

@@ -10,6 +10,8 @@ flush). Each case is compared with the explicit-reset run.
 
 from __future__ import annotations
 
+import warnings
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -228,6 +230,36 @@ def test_collector_marks_at_flush_keep_their_next_obs():
     assert lost == stats["terminal_obs_missing"]
 
 
+def test_collector_marks_on_real_ends_at_flush_count_as_ends():
+    """``Collector(set_truncated=True)`` over ``GymEnv("Pendulum-v1",
+    num_envs=4)`` with a 32-step limit and 16-step batches: every second
+    batch end is a real (joint) end as well as a mark, the last one too,
+    still undecided at ``flush()``. Its next observation is zero-filled,
+    which TorchRL does only at real ends. Bug caught: the flush took those
+    last ends for marks because earlier marks of the stream had been only
+    marks: their lost terminal observations counted in ``next_obs_missing``
+    (rows not done) and their episodes not counted, without a warning.
+    """
+    torch.manual_seed(0)
+    steps, batches = 16, 6
+    collector = Collector(
+        make_env("Pendulum-v1", E, max_episode_steps=32), None, frames_per_batch=E * steps,
+        total_frames=E * steps * batches, set_truncated=True,
+    )  # fmt: skip
+    filt = AutoresetFilter.for_env(collector)
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000), transform=filt)
+    for batch in collector:
+        rb.extend(batch)
+    collector.shutdown()
+    assert filt.stats["rows_held"] == E, "the last batch's ends must wait for the flush"
+    with pytest.warns(cleanbuf.CleanbufWarning, match="lost their terminal observation"):
+        filt.flush(rb)
+    stats = filt.stats
+    n_ends = E * steps * batches // 32
+    assert stats["next_obs_missing"] == 0
+    assert stats["terminal_obs_missing"] == stats["episodes_completed"] == n_ends
+
+
 class _Countdown(gym.Env):
     """Counts down from a random start to 0, which ends the episode: its
     terminal observation is exactly 0, a real state, not a fill.
@@ -294,6 +326,30 @@ def test_a_truly_zero_terminal_obs(layout):
     read, stats = run(on_lost_terminal_obs="nan")
     assert stats["terminal_obs_missing"] == n_end  # the ends on the last step only
     assert compare_streams(read, {e: oracle[e] for e in range(E)}, 25) == n_end
+
+
+def test_for_env_of_a_gymnasium_loop_keeps_a_truly_zero_terminal_obs():
+    """A Gymnasium next-step vector env hands every done row its terminal
+    observation, so a filter built by ``for_env(venv)`` reads no zeros as a
+    fill. Bugs caught: a real all-zero terminal observation on the last
+    step collected stored as NaN with a warning blaming TorchRL (or, for
+    integer observations, a flush that raises and offers to drop a valid
+    row), and a zero one mid-run "restitched" and counted where nothing
+    was missing.
+    """
+    steps = 40
+    raw = _countdown_loop(NEXT_STEP, steps)
+    oracle = _countdown_loop(DISABLED, steps)
+    assert raw["next", "done"][:, -1].any(), "no episode end on the last step"
+    filt = AutoresetFilter.for_env(gym.vector.SyncVectorEnv([_Countdown] * E))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cleanbuf.CleanbufWarning)
+        outs = [filt(raw[:, t]) for t in range(steps)] + [filt.flush()]
+    stats = filt.stats
+    assert stats["reset_rows_dropped"] > 0
+    assert stats["terminal_obs_missing"] == stats["next_obs_restitched"] == 0
+    kept = streams_from_rows(torch.cat([o for o in outs if o.batch_size[0]]))
+    assert compare_streams(kept, {e: oracle[e] for e in range(E)}, 25) == 0
 
 
 def test_torchrl_joint_resets_still_count_their_losses():

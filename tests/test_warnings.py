@@ -103,3 +103,37 @@ def test_no_warning_without_losses(disabled):
     assert filt.stats["terminal_obs_missing"] == 0
     if not disabled:
         assert filt.stats["reset_rows_dropped"] > 0  # episodes did end
+
+
+def test_a_flush_of_rows_without_their_next_row_says_so():
+    """Observation-only rows (``Collector(compact_obs=True)``) take each row's
+    next observation from the next row of its env; at the end of collection
+    each env's last row waits for a row never collected. The flush stores
+    it not done with a NaN next observation. Bug caught: those rows stored
+    without a word (``next_obs_missing`` counted, no warning), so a TD
+    target bootstraps from NaN with no done to mask it.
+    """
+    import torch
+    from torchrl.collectors import Collector
+
+    torch.manual_seed(0)
+    env = make_env("CartPole-v1", 4)
+    env.set_seed(0)
+    collector = Collector(
+        env, None, frames_per_batch=4 * 25, total_frames=4 * 100, compact_obs=True
+    )
+    filt = AutoresetFilter.for_env(collector)
+    rb = ReplayBuffer(storage=LazyTensorStorage(10_000), transform=filt)
+    for batch in collector:
+        rb.extend(batch)
+    collector.shutdown()
+    n_before, missing = len(rb), filt.stats["next_obs_missing"]
+    with pytest.warns(CleanbufWarning) as record:
+        filt.flush(rb)
+    flushed = rb[n_before : len(rb)]
+    unmasked = ~flushed["next", "done"].reshape(-1) & flushed["next", "observation"].isnan().any(-1)
+    n_next = filt.stats["next_obs_missing"] - missing
+    assert n_next == int(unmasked.sum()) > 0, "no unmasked NaN row: the test shows nothing"
+    said = [str(w.message) for w in record]
+    assert any(f"{n_next} row(s) stored by filt.flush(rb) are not done" in m for m in said), said
+    assert any("on_lost_terminal_obs='drop'" in m for m in said)

@@ -536,10 +536,8 @@ def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
     bookkeeping = {k for k in (options.is_init_key, options.step_count_key) if k}
     obs_keys, obs_only = observation_keys(rows, options.observation_keys, bookkeeping)
     done = done_flags(Views(rows, 1, n_held), options.done_key)
-    marked, marks_seen, stored = carry.held_marks()
-    missing = ~(marked & stored)
-    # Undecided mark without its next obs: no end where the producer marks batch ends, else lost.
-    done = done & ~(marked & marks_seen)
+    marked, stored = carry.held_marks()
+    missing = ~(marked & stored)  # (an undecided mark not stored: a real end, zero-filled)
     n_terminal = int((missing & done).sum())
     n_next = int((missing & ~done).sum())
     policy = lost_policy(options, obs_keys, rows, n_terminal + n_next, False)
@@ -558,7 +556,7 @@ def flush_carry(options: Options, carry: Carry, stats: dict) -> TensorDictBase:
     stats["terminal_obs_missing"] += n_terminal
     stats["next_obs_missing"] += n_next
     stats["lost_rows_dropped"] += n_held - len(keep)
-    stats["episodes_completed"] += int((marked & done).sum())  # taken for real ends
+    stats["episodes_completed"] += int((marked & ~stored & done).sum())  # real ends
     stats["rows_held"] = 0
     return as_td(rows, len(keep))
 
@@ -583,10 +581,10 @@ def time_last(td: TensorDictBase) -> TensorDictBase:
 def written_twice() -> ContinuityError:
     """The error for a batch that comes again after its rows were stored."""
     return ContinuityError(
-        "this batch is the one the last call cleaned (the same first row in every stream), "
-        "and that call's rows were stored: it was written twice. Expected the next batch of "
-        "each stream, got the last one again. Write each batch once (a batch whose write "
-        "into the buffer failed may be written again; this one's write succeeded). In a raw "
-        "loop, this is also what a step that does not move on looks like: set obs = next_obs "
-        "after each step. Nothing was written."
+        "this batch starts where the last call's started (the same first row in every "
+        "stream), and that call's rows were stored: either the same batch was written twice, "
+        "or, in a raw loop, the step did not move on. Write each batch once (a batch whose "
+        "write into the buffer failed may be written again; this one's write succeeded), and "
+        "in a raw loop set obs = next_obs after each step. Expected the next batch of each "
+        "stream. Nothing was written."
     )

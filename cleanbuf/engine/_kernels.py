@@ -57,9 +57,9 @@ INIT_BIT = 8  # set is_init on this row
 SHIFT_BIT = 16  # subtract 1 from this row's step counts
 # The rows of the carry state (int64[5, S], see plan).
 PENDING, WAITING, NEED_INIT, SHIFT, MARKED = range(5)
-# MARKED bits: an undecided mark (its group done with it or not), the stream's producer
-# marks, the undecided mark's next observation is stored (complete whatever comes next).
-MARK, JOINT_MARK, MARKS_SEEN, STORED = 1, 2, 4, 8
+# MARKED bits: an undecided mark (its group done with it or not), and its next
+# observation stored (complete whatever comes next). (4, once "marks seen", is unused.)
+MARK, JOINT_MARK, STORED = 1, 2, 8
 # The values of plan's marks: which batch-end rows may be a collector's mark.
 NO_MARKS, ANY_MARKS, UNSTORED_MARKS = 0, 1, 2
 # What plan's released_src says of a held row, besides its source row.
@@ -120,8 +120,8 @@ def plan(n, steps, stream, done, stored, joint, group, final_ok, final_default, 
             episode began with a dropped reset row (step counts one too high);
             ``MARKED``, bits: the pending done row is an undecided mark
             (``MARK``; ``JOINT_MARK``: its whole group was done with it, so a
-            real end is a joint reset), ``MARKS_SEEN`` (a mark of the stream
-            was only a mark), ``STORED``. The others are 0 or 1.
+            real end is a joint reset), ``STORED`` (its next observation
+            is stored). The others are 0 or 1.
         reset_rows: next-step mode: a reset row follows each non-joint done row.
         successor: observation-only data: a row's next observation is the next
             row's observation (with ``final``, a done row's is its final entry).
@@ -287,9 +287,9 @@ def _decide_mark(s, fresh, has_restart, cont, first, marked, pending):
     real = fresh if has_restart else (cont.shape[0] > 0 and first and cont[s] == 0)
     if not real:
         pending[s] = False
-        marked[s] = MARKS_SEEN
+        marked[s] = 0
         return fresh, False, False
-    marked[s] &= MARKS_SEEN
+    marked[s] = 0
     if has_restart:
         return fresh, False, True
     # Read from the bytes alone: this row is a reset row or a restart, which

@@ -300,7 +300,7 @@ class Rollouts:
             held, opts = self._held, self.options
             bookkeeping = {k for k in (opts.is_init_key, opts.step_count_key) if k}
             keys = observation_keys(held.tensors, opts.observation_keys, bookkeeping)[0]
-            marked, _, stored = carry.held_marks()  # (as the kernel found them)
+            marked, stored = carry.held_marks()  # (as the kernel found them)
             lost = streams[~(marked & stored)]
             policy = lost_policy(opts, keys, held.tensors, len(lost), False)
             self.cleaner.flush()  # forgets its held rows (ours are the ones returned)

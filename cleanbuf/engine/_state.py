@@ -25,7 +25,6 @@ from cleanbuf.engine._kernels import (
     JOINT_MARK,
     MARK,
     MARKED,
-    MARKS_SEEN,
     NEED_INIT,
     PENDING,
     SHIFT,
@@ -154,26 +153,21 @@ class Carry:
         out.per_stream[PENDING, self.n_streams :] = 1
         return out
 
-    def held_marks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per held row: an undecided mark, marks seen, and its next observation stored.
+    def held_marks(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per held row: an undecided mark, and its next observation stored.
 
-        Three bool arrays: the held row's end is an undecided batch-end mark;
-        its stream's producer showed that it marks batch ends; the mark's next
-        observation is stored (read when the row was held; only a mark is
-        held with it stored).
+        Two bool arrays: the held row's end is an undecided batch-end mark;
+        the mark's next observation is stored (read when the row was held;
+        only a mark is held with it stored).
 
         Examples:
             >>> carry = Carry().grown(1)
             >>> carry.held_stream = np.array([0])
             >>> [a.tolist() for a in carry.held_marks()]
-            [[False], [False], [False]]
+            [[False], [False]]
         """
         flags = self.per_stream[MARKED][self.held_stream]
-        return (
-            (flags & (MARK | JOINT_MARK)) != 0,
-            (flags & MARKS_SEEN) != 0,
-            (flags & STORED) != 0,
-        )
+        return (flags & (MARK | JOINT_MARK)) != 0, (flags & STORED) != 0
 
     def flushed(self) -> None:
         """Forgets the held rows: no row is held, none waits."""

@@ -89,6 +89,31 @@ def reports_writes(rb: Any) -> bool:
         return False
 
 
+def writer_position(writer: Any) -> tuple[int, int]:
+    """Where a round-robin writer writes next: ``(cursor, write count)``.
+
+    Its ``extend`` moves both before the storage writes (TorchRL does so for
+    workers sharing the writer), so a write that fails leaves them past
+    slots that hold nothing (:func:`rewind_writer`).
+    """
+    return writer._cursor, writer._write_count
+
+
+def rewind_writer(writer: Any, position: tuple[int, int], n_rows: int) -> bool:
+    """Puts a round-robin writer back to ``position``, if one extend of ``n_rows`` moved it.
+
+    The extend of those rows failed: written again, they go to the same
+    slots, and none of the slots the failed extend passed is left holding
+    nothing (which a sampler would then draw). Returns whether it moved
+    the writer back (not where anything else wrote since).
+    """
+    cursor, count = position
+    if writer._write_count != count + n_rows:
+        return False
+    writer._cursor, writer._write_count = cursor, count
+    return True
+
+
 def attached_entities(storage: Any) -> list | None:
     """The entities attached to a TorchRL storage (``storage._attached_entities``), or None."""
     entities = getattr(storage, "_attached_entities", None)

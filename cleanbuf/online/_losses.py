@@ -9,8 +9,9 @@ publishes how many observations its calls lost (under :data:`LOST_KEY`),
 and the filter in the parent warns with their sum when it reads its stats
 or flushes, unless it warned already. A flush that stores rows whose
 terminal observation is lost (done on the last step collected, the next
-observation not stored, the reset row that holds it never collected) warns
-too, with its own count and the flush's own way out
+observation not stored, the reset row that holds it never collected), or
+rows not done whose next observation is lost (their env's next row never
+collected), warns too, with its own counts and the flush's own way out
 (:func:`flush_message`).
 """
 
@@ -24,8 +25,12 @@ from cleanbuf.engine._options import Options
 LOST_KEY = "lost_in_calls"  # in a published state: what the copy's calls stored as NaN
 
 
-def flush_message(n_lost: int) -> str:
-    """The flush's warning: the count, the cause, what NaN does, the ways out.
+def flush_message(n_lost: int, n_next: int = 0) -> str:
+    """The flush's warning: the counts, the causes, what NaN does, the ways out.
+
+    Args:
+        n_lost: done rows stored with their terminal observation lost.
+        n_next: rows not done stored with their next observation lost.
 
     Examples:
         >>> text = flush_message(2)
@@ -33,17 +38,33 @@ def flush_message(n_lost: int) -> str:
         True
         >>> "filt.flush(rb, on_lost_terminal_obs='drop')" in text
         True
+        >>> flush_message(0, 4).startswith("4 row(s) stored by filt.flush(rb) are not done")
+        True
     """
-    return (
-        f"{n_lost} row(s) stored by filt.flush(rb) lost their terminal observation: each ended "
-        "an episode on the last step collected, its producer did not store the terminal "
-        "observation in that row (TorchRL's GymEnv(num_envs=N) zero-fills it), and the "
-        "reset row that holds it was never collected. They are stored with a NaN next "
-        "observation (TorchRL's mark for a missing one: a loss that bootstraps from it "
-        "gives NaN); stats['terminal_obs_missing'] counts them. To store no such row, "
-        "flush with filt.flush(rb, on_lost_terminal_obs='drop'); to lose none, use a "
-        "lossless producer, cleanbuf.lossless_gym_env(name, num_envs)."
-    )
+    said = []
+    if n_lost:
+        said.append(
+            f"{n_lost} row(s) stored by filt.flush(rb) lost their terminal observation: each "
+            "ended an episode on the last step collected, its producer did not store the "
+            "terminal observation in that row (TorchRL's GymEnv(num_envs=N) zero-fills it), and "
+            "the reset row that holds it was never collected. They are stored with a NaN next "
+            "observation (TorchRL's mark for a missing one: a loss that bootstraps from it "
+            "gives NaN); stats['terminal_obs_missing'] counts them."
+        )
+    if n_next:
+        said.append(
+            f"{n_next} row(s) stored by filt.flush(rb) are not done and lost their next "
+            "observation: each waited for the next row of its env, which was never collected "
+            "(rows stored without their next observation, as Collector(compact_obs=True) "
+            "stores them, take it from that row; or a batch-end mark of set_truncated=True "
+            "still undecided). They are stored with a NaN next observation and done=False, so "
+            "a TD target bootstraps from NaN with no done to mask it; "
+            "stats['next_obs_missing'] counts them."
+        )
+    fix = " To store no such row, flush with filt.flush(rb, on_lost_terminal_obs='drop')"
+    if n_lost:
+        fix += "; to lose none, use a lossless producer, cleanbuf.lossless_gym_env(name, num_envs)"
+    return " ".join(said) + fix + "."
 
 
 class LostObservations:
@@ -93,14 +114,20 @@ class LostObservations:
                 stacklevel=user_stacklevel(),
             )
 
-    def after_flush(self, n_lost: int) -> None:
+    def after_flush(self, n_lost: int, n_next: int = 0) -> None:
         """Warns about what a flush stored as NaN by default (at the user's line).
 
         Every flush that loses any warns, whether or not a call warned
         before: the flush's rows are another loss, with another cause.
+
+        Args:
+            n_lost: done rows stored with their terminal observation lost.
+            n_next: rows not done stored with their next observation lost.
         """
-        if n_lost:
-            warnings.warn(CleanbufWarning(flush_message(n_lost)), stacklevel=user_stacklevel())
+        if n_lost or n_next:
+            warnings.warn(
+                CleanbufWarning(flush_message(n_lost, n_next)), stacklevel=user_stacklevel()
+            )
 
     def after_copies(self, states: dict) -> None:
         """Warns once with what every copy's calls lost (at the user's line).

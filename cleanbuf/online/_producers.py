@@ -368,7 +368,7 @@ def options_for_env(env: Any) -> Reading:
         >>> import gymnasium as gym
         >>> venv = gym.make_vec("CartPole-v1", num_envs=2, vectorization_mode="sync")
         >>> options_for_env(venv).options
-        {'mode': 'next_step', 'layout': 'step'}
+        {'mode': 'next_step', 'layout': 'step', 'terminal_obs_in_done_row': True}
     """
     module = type(env).__module__
     if module.startswith("torchrl.collectors"):
@@ -380,11 +380,16 @@ def options_for_env(env: Any) -> Reading:
             {"mode": "same_step", "layout": "step"},
             f"Stable-Baselines3 {type(env).__name__} (same-step, terminal_observation in infos)",
         )
+    # A Gymnasium or EnvPool next-step loop hands every done row its terminal
+    # observation (step_rows stores it): all zeros is a real observation there,
+    # never a producer's fill, so it is not read as one.
+    stored = {"terminal_obs_in_done_row": True}
     if _is_envpool(env):
-        return Reading({"mode": "next_step", "layout": "step"}, "EnvPool env (next-step)")
+        return Reading({"mode": "next_step", "layout": "step", **stored}, "EnvPool env (next-step)")
     if _is_gym_vector(env):
         mode = _gym_mode(env)
-        return Reading({"mode": mode, "layout": "step"}, f"Gymnasium {type(env).__name__} ({mode})")
+        options = {"mode": mode, "layout": "step", **(stored if mode == "next_step" else {})}
+        return Reading(options, f"Gymnasium {type(env).__name__} ({mode})")
     single = _single_gym_env(env)
     if single is not None:
         return single

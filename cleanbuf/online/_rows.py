@@ -161,7 +161,8 @@ def step_rows(
     Args:
         obs: the observations the actions were taken from (array ``[E, ...]``
             or a dict of them, for Dict spaces).
-        action: the actions ``[E, ...]``.
+        action: the actions ``[E, ...]``; a flat ``[E]`` (a Discrete space's
+            indices) is stored as ``[E, 1]``, like the reward and the flags.
         next_obs: what ``step`` returned as observations.
         reward: rewards ``[E]``.
         terminated: terminations ``[E]`` (Stable-Baselines3: its ``dones``);

@@ -26,7 +26,7 @@ from cleanbuf.online._compact import (
     is_compact,
     with_stream_index,
 )
-from cleanbuf.online._compat import calling_replay_buffer
+from cleanbuf.online._compat import calling_replay_buffer, rewind_writer, writer_position
 from cleanbuf.online._copies import CopyStates
 from cleanbuf.online._first_write import check_late_attachment, check_orientation
 from cleanbuf.online._losses import LOST_KEY, LostObservations
@@ -228,9 +228,11 @@ class AutoresetFilter(OnlineCleaner, Transform):
         self.rows_before_attach = 0
         self._losses = LostObservations("filter")  # NaN next observations written by default
         self._in_ray_actor: bool | None = None  # whether it runs in a Ray actor (first call)
-        # the last call's rows, on their way: the buffer's write counter and its count then
-        self._last_write: tuple[_writes.WriteMarks, int] | None = None
+        # the last call's rows, on their way: the buffer's write counter and its count
+        # then, the writer's position before them, and how many rows
+        self._last_write: tuple | None = None
         self._marks: _writes.WriteMarks | None = None  # the buffer's write counter (first call)
+        self._writer = None  # the buffer's round-robin writer, where it reports writes
         _at_exit.watch(self)  # held rows never flushed are said at interpreter exit
 
     @property
@@ -295,7 +297,8 @@ class AutoresetFilter(OnlineCleaner, Transform):
         # Pickled while Ray runs: for a Ray actor, which publishes its state.
         self._copies = _publish.for_ray(self._copies, self._state())
         state = super().__getstate__()
-        state["_last_write"] = state["_marks"] = None  # the buffer's counter stays here
+        # the buffer's counter and writer stay here
+        state["_last_write"] = state["_marks"] = state["_writer"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -341,7 +344,10 @@ class AutoresetFilter(OnlineCleaner, Transform):
         try:
             out = self._flush(rb, on_lost_terminal_obs)
         except TerminalObservationLostError as err:
-            self.__dict__["_flush_raised"] = True  # (the unflushed-rows warning says so)
+            # (the unflushed-rows warning says so, with the policies that apply)
+            schema = self._engine.carry.obs_schema
+            floating = all(dtype.is_floating_point for dtype, _ in schema.values())
+            self.__dict__["_flush_raised"] = "floating" if floating else "integer"
             if on_lost_terminal_obs is not None:
                 raise
             raise TerminalObservationLostError(
@@ -354,20 +360,22 @@ class AutoresetFilter(OnlineCleaner, Transform):
         return out
 
     def _flush(self, rb: Any, on_lost_terminal_obs: str | None) -> TensorDictBase | None:
-        """Flushes; warns when the rows it stored lost terminal observations by default."""
+        """Flushes; warns when the rows it stored lost next observations by default."""
         before = self._lost_so_far()
         out = self._flush_rows(rb, on_lost_terminal_obs)
         policy = self.options if on_lost_terminal_obs is None else None
         if policy is not None and self._losses.counting(policy):
-            self._losses.after_flush(self._lost_so_far() - before)
+            after = self._lost_so_far()
+            self._losses.after_flush(after[0] - before[0], after[1] - before[1])
         return out
 
-    def _lost_so_far(self) -> int:
-        """``terminal_obs_missing``: this filter's, or summed over its copies' published states."""
+    def _lost_so_far(self) -> tuple[int, int]:
+        """``terminal_obs_missing`` and ``next_obs_missing``: this filter's, or its copies' sums."""
+        keys = ("terminal_obs_missing", "next_obs_missing")
         if self._copies is None:
-            return self._engine.count("terminal_obs_missing")
+            return tuple(self._engine.count(k) for k in keys)
         states = self._copies.load().values()
-        return sum(int(s.get("stats", {}).get("terminal_obs_missing", 0)) for s in states)
+        return tuple(sum(int(s.get("stats", {}).get(k, 0)) for s in states) for k in keys)
 
     def _flush_rows(self, rb: Any, on_lost_terminal_obs: str | None) -> TensorDictBase | None:
         self._settle_write()
@@ -390,10 +398,13 @@ class AutoresetFilter(OnlineCleaner, Transform):
         rows = self._engine.flush(on_lost_terminal_obs)
         if rows.batch_size[0] == 0:
             return None
+        position = writer_position(self._writer) if self._writer is not None else None
         try:
             self._extend_bypassing(rb, rows)
         except BaseException:
             self._engine.load_state_dict(state)
+            if position is not None:  # (its rows go to the same slots when flushed again)
+                rewind_writer(self._writer, position, rows.batch_size[0])
             raise
         return None
 
@@ -432,6 +443,7 @@ class AutoresetFilter(OnlineCleaner, Transform):
                 rb, fresh and not is_storage_init(tensordict)
             )
             self._marks = _writes.marks_of(rb)
+            self._writer = rb._writer if self._marks is not None else None
             self._stream_index = rb is not None and is_compact(getattr(rb, "storage", None))
             self._storage_checked = True  # once per process: a frame walk is not free
         if self._in_ray_actor is None:  # where it runs: read once (after an unpickling too)
@@ -460,7 +472,8 @@ class AutoresetFilter(OnlineCleaner, Transform):
             ) from None
         if marks is not None and out.batch_size[0]:
             # (per-call fields go into __dict__: nn.Module.__setattr__ costs more)
-            self.__dict__["_last_write"] = (marks, marks.writes)
+            n = out.batch_size[0]
+            self.__dict__["_last_write"] = (marks, marks.writes, writer_position(self._writer), n)
         elif self._tracks_writes():
             self._engine.last_call_stored()  # nothing to write, or no buffer: no retry
         self._count_lost(self._engine.count("terminal_obs_missing") - lost)
@@ -480,16 +493,19 @@ class AutoresetFilter(OnlineCleaner, Transform):
         """Reads whether the last call's rows reached the buffer; True if they did not.
 
         Stored (the writer reported a write since): a batch written again is
-        a duplicate. Not stored: the cleaner goes back to before that call.
+        a duplicate. Not stored: the cleaner goes back to before that call,
+        and the writer to before its rows (TorchRL moved it past slots the
+        failed write left empty, which a sampler would draw).
         """
         last = self._last_write
         if last is None:
             return False
         self.__dict__["_last_write"] = None  # (nn.Module.__setattr__ costs more)
-        marks, writes = last
+        marks, writes, position, n_rows = last
         if marks.writes > writes:
             self._engine.last_call_stored()
             return False
+        rewind_writer(self._writer, position, n_rows)
         return self._engine.undo_last_call()
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -580,11 +596,18 @@ class AutoresetFilter(OnlineCleaner, Transform):
 
     def _flush_advice(self) -> str:
         """What to call to store the held rows (with a policy, after a flush that raised)."""
-        if self.__dict__.get("_flush_raised"):
+        raised = self.__dict__.get("_flush_raised")
+        if raised:
+            nan = (
+                ", or on_lost_terminal_obs='nan' to store them marked NaN"
+                if raised == "floating"
+                else ""  # (NaN cannot mark integer observations)
+            )
             return (
                 "Its flush raised (a held row lost its next observation and the policy is "
-                "to raise): call filt.flush(rb, on_lost_terminal_obs='keep', 'drop' or "
-                "'nan') to store them or drop them."
+                "to raise): call filt.flush(rb, on_lost_terminal_obs='drop') to store none of "
+                "them, on_lost_terminal_obs='keep' to store them as the producer left them"
+                f"{nan}."
             )
         return (
             "Call filt.flush(rb) at the end of collection (after the collector's loop) to "
