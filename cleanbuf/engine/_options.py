@@ -98,8 +98,9 @@ class Options:
         terminal_obs_in_done_row: rarely needed. Whether a done row holds its terminal
             observation is read from the data, row by row (a zero-filled or NaN next observation
             is not held). True declares every done row complete, zeros included: for a terminal
-            observation truly 0 in every element with no reset row after it. None (default):
-            read from the data. False is deprecated and ignored.
+            observation truly 0 in every element with no reset row after it
+            (``AutoresetFilter.for_env(envs)`` sets it for a Gymnasium or EnvPool next-step
+            vector env). None (default): read from the data. False is deprecated and ignored.
         check_reset_rows: check that each reset row has reward 0 and is not done (a
             :class:`~cleanbuf.ResetRowError` otherwise: the wrong mode, or a reward transform
             that moves 0); default True.
