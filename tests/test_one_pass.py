@@ -29,13 +29,12 @@ from tests.faults import state_bytes
 from tests.reference import simulate
 from tests.test_properties import cut_in_time
 
-_ROW_WORDS = _continuity.row_words
+_WHOLE_WORDS = _continuity.whole_words
 
 
-def _ends_only(rows, key, next_key, steps):
-    """``row_words`` as for rows numpy cannot view whole: the end rows are read instead."""
-    obs, nxt, _ = _ROW_WORDS(rows, key, next_key, steps)
-    return obs, nxt, -1
+def _ends_only(rows, key, next_key):
+    """``whole_words`` as for rows numpy cannot view whole: the end rows are read instead."""
+    return None
 
 
 def _run(calls, make, whole: bool):
@@ -50,7 +49,7 @@ def _run(calls, make, whole: bool):
     ends_alone = mock.patch.object(
         _read, "stream_ends", wraps=_read.stream_ends
     )  # nothing to clean
-    ends = mock.patch.object(_continuity, "row_words", _ROW_WORDS if whole else _ends_only)
+    ends = mock.patch.object(_continuity, "whole_words", _WHOLE_WORDS if whole else _ends_only)
     with plans as kernel, ends_alone as ends_kernel, ends:
         for c in calls:
             try:

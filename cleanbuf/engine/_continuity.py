@@ -133,21 +133,22 @@ class EndRows:
         self.steps, self.restart, self._keys = 1, _NO_FLAGS, ()
         if rows is None or not obs_keys:
             return self
+        whole = None
         if len(obs_keys) == 1:  # the rows themselves, where numpy views them whole
             key = obs_keys[0]
-            obs, nxt, k_steps = row_words(rows, key, ("next", *key), steps)
-            ids = _NO_BYTES
-            if with_ids:
-                ids, _, id_steps = row_words(rows, TRAJ_IDS, TRAJ_IDS, steps)
-                k_steps = min(k_steps, id_steps)
-            if k_steps == steps:
-                self.obs, self.next_obs, self.ids, self.steps = obs, nxt, ids, steps
-                self._keys = ((key, -1, 0),)
-                self.restart = _NO_FLAGS if restart is None else restart
-                self.last_next = words(before.next_obs.get(key), obs.dtype)
-                self.first_before = words(fingerprint.get(key), obs.dtype)
-                self.ids_before = words(fingerprint.get(TRAJ_IDS), ids.dtype)
-                return self
+            whole = whole_words(rows, key, ("next", *key))
+            ids = (_NO_BYTES,)
+            if whole is not None and with_ids:
+                ids = whole_words(rows, TRAJ_IDS, TRAJ_IDS)
+        if whole is not None and ids is not None:
+            (obs, nxt), ids = whole, ids[0]
+            self.obs, self.next_obs, self.ids, self.steps = obs, nxt, ids, steps
+            self._keys = ((key, -1, 0),)
+            self.restart = _NO_FLAGS if restart is None else restart
+            self.last_next = words(before.next_obs.get(key), obs.dtype)
+            self.first_before = words(fingerprint.get(key), obs.dtype)
+            self.ids_before = words(fingerprint.get(TRAJ_IDS), ids.dtype)
+            return self
         firsts, lasts, keys, offset = [], [], [], 0
         for key in obs_keys:
             first, last = _end_bytes(rows, key, ("next", *key), steps)
@@ -262,35 +263,29 @@ def as_bytes(x) -> np.ndarray:
     return x.reshape(len(x), math.prod(x.shape[1:])).view(np.uint8)  # (-1 fails on 0 rows)
 
 
-def row_words(rows: Views, key: tuple, next_key: tuple, steps: int) -> tuple:
-    """The words of ``rows[key]`` and ``rows[next_key]``, and the rows per stream.
+def whole_words(rows: Views, key: tuple, next_key: tuple) -> tuple | None:
+    """``rows[key]`` and ``rows[next_key]`` as words ``[N, W]``, or None.
 
-    Each row's bytes viewed as the widest unsigned word that divides them:
-    numpy views of the whole call where the rows have them (no copy); else
-    copies of just the first and the last rows, one row per stream.
+    Each row's bytes viewed as the widest unsigned word that divides them,
+    without a copy. None where the rows have no C-contiguous numpy views
+    (another device, a dtype numpy lacks, a slice): :class:`EndRows` then
+    copies each stream's end rows instead.
     """
     a, b = rows[key], rows[next_key]
     if (
-        a is not None
-        and b is not None
-        and a.flags.c_contiguous
-        and b.flags.c_contiguous
-        and a.dtype.kind != "O"
+        a is None
+        or b is None
+        or not a.flags.c_contiguous
+        or not b.flags.c_contiguous
+        or a.dtype.kind == "O"
     ):
-        n = len(a)
-        width = math.prod(a.shape[1:])  # (-1 fails on 0 rows)
-        a, b, n_steps = a.reshape(n, width), b.reshape(n, width), steps
-    else:
-        n = rows.n_rows or len(rows.flat(key))
-        first = index_tensor(np.arange(0, n, steps))
-        last = index_tensor(np.arange(steps - 1, n, steps))
-        x, y = rows.flat(key), rows.flat(next_key)
-        a = as_bytes(x.index_select(0, first.to(x.device)))
-        b = as_bytes(y.index_select(0, last.to(y.device)))
-        n_steps = 1
-    width = a.shape[1] * a.itemsize
-    word = _WORDS[min(width & -width, 8)] if width else _WORDS[1]
-    return a.view(word), b.view(word), n_steps
+        return None
+    n = len(a)
+    width = math.prod(a.shape[1:])  # (-1 fails on 0 rows)
+    a, b = a.reshape(n, width), b.reshape(n, width)
+    size = width * a.itemsize
+    word = _WORDS[min(size & -size, 8)] if size else _WORDS[1]
+    return a.view(word), b.view(word)
 
 
 _WORDS = {size: np.dtype(f"uint{8 * size}") for size in (1, 2, 4, 8)}
