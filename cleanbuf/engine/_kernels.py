@@ -1,7 +1,7 @@
 """numba kernels on plain arrays: one call's stream ends, planning scan and row selection.
 
 Every call runs one kernel, :func:`one_pass`, on arrays the read step
-(:meth:`cleanbuf.engine._read.Reader.read`) fills; :mod:`cleanbuf.engine._plan`
+(:meth:`cleanbuf.engine._read.Reader.read`) fills; :func:`cleanbuf.engine._cleaner.plan_call`
 names its result (:class:`KernelResult`). No TensorDicts, keys or torch here.
 The Python callers validate the input; the kernels assume it well-formed and
 never raise. ``tests/reference.py`` (a row-by-row cleaner) checks them.

@@ -16,13 +16,12 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from cleanbuf.engine._cleaner import Cleaner
+from cleanbuf.engine._cleaner import Cleaner, lost_policy
 from cleanbuf.engine._compat import new_tensordict
 from cleanbuf.engine._errors import LayoutError, StateError
 from cleanbuf.engine._kernels import RELEASED_AS_IS, RELEASED_LOST
 from cleanbuf.engine._keys import DONE_KEYS, Views, done_flags, observation_keys
 from cleanbuf.engine._options import Options
-from cleanbuf.engine._plan import lost_policy
 from cleanbuf.engine._write import fill_rows, fix_bookkeeping, set_rows, take_rows
 
 # What each returned row is (int8 per row).
