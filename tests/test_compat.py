@@ -22,6 +22,7 @@ from torchrl.envs import GymEnv, GymWrapper
 
 from cleanbuf import AutoresetFilter, CleanbufError
 from cleanbuf.engine import _compat as engine_compat
+from cleanbuf.engine import _keys
 from cleanbuf.offline import _compat as offline_compat
 from cleanbuf.online import _compat as online_compat
 from tests.oracle import push_left_policy
@@ -71,11 +72,16 @@ def test_fallbacks_match_the_private_paths():
         {"a": torch.zeros(2), "b": {"c": torch.ones(2)}}, torch.Size([2]), None
     )
     with mock.patch.object(TensorDict, "_new_unsafe", None):
-        slow = engine_compat.new_tensordict(
+        slow = engine_compat._tensordict_maker()(
             {"a": torch.zeros(2), "b": {"c": torch.ones(2)}}, torch.Size([2]), None
         )
     assert (fast == td).all() and (slow == td).all()
-    assert engine_compat.tensordict_children(object()) is None
+    with mock.patch.object(engine_compat, "TensorDict", lambda *args: object()):
+        gone = engine_compat._children_getter()  # (a TensorDict without _tensordict)
+    assert gone(td) is None and engine_compat.children_of(td) is td._tensordict
+    with mock.patch.object(_keys, "children_of", gone):  # the walk then takes items()
+        assert _keys.batch_views(td, 1, 2) is None
+        assert list(_keys.batch_leaves(td)) == [("a",), ("b", "c")]
     with mock.patch.object(torch._C, "_storage_Use_Count", None, create=True):
         assert engine_compat.storage_use_count(torch.zeros(3)) is None
     venv = gym.make_vec(

@@ -5,7 +5,7 @@ A call (:meth:`Cleaner.clean`) is one step over the producer's
 
 1. **read** (:meth:`Cleaner.read`, :mod:`cleanbuf.engine._read`): layout, flags, observation
    keys and stream ends, checked; a batch with nothing to clean passes through as views;
-2. **plan** (:meth:`Cleaner.plan`, :func:`plan_call`): the kernel decides, from
+2. **plan** (:func:`plan_call`): the kernel decides, from
    flags only, which rows to drop, hold or emit, where each next observation comes from and
    which held rows are released;
 3. **write** (:mod:`cleanbuf.engine._write`): the kept rows moved into fresh tensors, their
@@ -189,9 +189,7 @@ class Release:
 
     @classmethod
     def of(cls, carry: Carry, released_src: np.ndarray, done_key) -> Release:
-        """Reads the kernel's per-stream ``released_src`` against the held rows."""
-        if not len(carry.held_stream):
-            return NO_RELEASE
+        """Reads the kernel's per-stream ``released_src`` against the held rows (some held)."""
         slot_of = np.full(len(released_src), -1, np.int64)
         slot_of[carry.held_stream] = np.arange(len(carry.held_stream))
         streams = np.flatnonzero((released_src != -1) & (slot_of >= 0))
@@ -264,14 +262,14 @@ def plan_call(call: Call, options: Options) -> Plan:
     if k.bad_row >= 0:
         stream = int(layout.stream_of(np.array([k.bad_row]))[0])
         raise bad_reset_row(k.bad_row, stream, bool(call.done[k.bad_row]))
-    release = Release.of(call.carry, k.released_src, options.done_key)
-    policy = lost_policy(
-        options,
-        call.obs_keys,
-        call.views.tensors,
-        k.n_lost + k.n_next_lost + release.n_lost,
-        final_missing=options.mode == "same_step",
-    )
+    release = NO_RELEASE
+    if len(call.carry.held_stream):
+        release = Release.of(call.carry, k.released_src, options.done_key)
+    n_lost = k.n_lost + k.n_next_lost + release.n_lost
+    policy = options.on_lost_terminal_obs or "nan"
+    if n_lost:
+        same_step = options.mode == "same_step"
+        policy = lost_policy(options, call.obs_keys, call.views.tensors, n_lost, same_step)
     if policy == "drop":
         release = release.without_lost()
     return Plan(
@@ -446,10 +444,10 @@ class Cleaner:
 
         Returns what :meth:`step` returns.
         """
-        call = self.read(td, before=before)
+        call = self._reader.read(td, self.state.carry, before)
         if call.as_is:
             return self._pass_through(call)
-        plan = self.plan(call)
+        plan = plan_call(call, self.options)
         out, new_held = self._move(call, plan)
         self._patch(call, plan, out, new_held)
         self.commit(call, plan, new_held)
@@ -471,7 +469,7 @@ class Cleaner:
     ) -> Call:
         """Reads and checks a batch (:class:`cleanbuf.engine._read.Reader`); changes nothing.
 
-        The same kernel call plans it (``call.planned``, used by :meth:`plan`), unless it
+        The same kernel call plans it (``call.planned``, read by :func:`plan_call`), unless it
         has nothing to clean and not ``plan``. ``keep_lost`` keeps the rows whose next
         observation is lost; ``before`` is the last call's fingerprint.
         """
@@ -500,11 +498,6 @@ class Cleaner:
             rows[k] = views.flat(k) if a is None else torch.from_numpy(a)
         return as_td(rows, layout.n_rows, call.device)
 
-    # -------------------------------------------------------------- 2. plan
-    def plan(self, call: Call) -> Plan:
-        """Plans a call that :meth:`read` returned (:func:`plan_call`); changes nothing."""
-        return plan_call(call, self.options)
-
     # ------------------------------------------------------- 3. write: move
     def _move(self, call: Call, plan: Plan) -> tuple[Views, dict]:
         """Gathers the output rows and the rows to hold.
@@ -518,7 +511,8 @@ class Cleaner:
             len(sel.stitched) or release.n_stitched or len(sel.final)
             or (lost and plan.policy == "nan")
         ):  # fmt: skip
-            patched.update(("next", *k) for k in call.obs_keys)
+            for k in call.obs_keys:
+                patched.add(("next", *k))
         if len(sel.emit_init):
             patched.add(opts.is_init_key)
         if len(sel.emit_shift):  # fix_bookkeeping shifts whichever step counts are present

@@ -6,42 +6,53 @@ test in ``tests/test_compat.py`` that fails when the private name disappears.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
 
-def tensordict_children(td: Any) -> dict | None:
-    """The key -> value dict a plain ``TensorDict`` keeps (``td._tensordict``).
+def _children_getter() -> Any:
+    """``operator.attrgetter("_tensordict")`` where plain TensorDicts keep their children there.
 
-    Cheaper than ``items(include_nested=True, leaves_only=True)``; None where it is gone
-    (the caller then walks ``items()``).
-
-    Examples:
-        >>> from tensordict import TensorDict
-        >>> sorted(tensordict_children(TensorDict({"a": torch.zeros(1)}, [1])))
-        ['a']
+    A C call: the walk of every batch pays no Python frame per node for it. Where the private
+    name is gone, a getter that gives None (the caller then walks ``items()``).
     """
-    children = getattr(td, "_tensordict", None)
-    return children if isinstance(children, dict) else None
+    if isinstance(getattr(TensorDict({}, []), "_tensordict", None), dict):
+        return operator.attrgetter("_tensordict")
+    return lambda td: None
 
 
-def new_tensordict(nested: dict, batch_size: torch.Size, device: Any) -> Any:
-    """A ``TensorDict`` of leaves known to fit ``batch_size`` and ``device``.
+children_of = _children_getter()
+"""The key -> value dict a plain ``TensorDict`` keeps (``td._tensordict``), or None.
 
-    ``TensorDict._new_unsafe`` (no checks, as on TorchRL's hot paths); the public
-    constructor where it is gone.
+Cheaper than ``items(include_nested=True, leaves_only=True)``. For ``type(td) is TensorDict``
+only.
 
-    Examples:
-        >>> new_tensordict({"a": torch.zeros(2)}, torch.Size([2]), None).batch_size
-        torch.Size([2])
-    """
-    from tensordict import TensorDict
+Examples:
+    >>> sorted(children_of(TensorDict({"a": torch.zeros(1)}, [1])))
+    ['a']
+"""
 
-    unsafe = getattr(TensorDict, "_new_unsafe", None)
-    if unsafe is not None:
-        return unsafe(nested, batch_size=batch_size, device=device)
+
+def _public_tensordict(nested: dict, batch_size: torch.Size, device: Any) -> Any:
     return TensorDict(nested, batch_size=batch_size, device=device)
+
+
+def _tensordict_maker() -> Any:
+    """``TensorDict._new_unsafe`` (no checks, as on TorchRL's hot paths), else the constructor."""
+    unsafe = getattr(TensorDict, "_new_unsafe", None)
+    return unsafe if unsafe is not None else _public_tensordict
+
+
+new_tensordict = _tensordict_maker()
+"""``new_tensordict(nested, batch_size, device)``: a ``TensorDict`` of leaves known to fit.
+
+Examples:
+    >>> new_tensordict({"a": torch.zeros(2)}, torch.Size([2]), None).batch_size
+    torch.Size([2])
+"""
 
 
 def storage_use_count(t: torch.Tensor) -> int | None:

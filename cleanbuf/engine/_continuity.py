@@ -95,7 +95,8 @@ class EndRows:
     Examples:
         >>> rows = Views({("obs",): torch.arange(6.0), ("next", "obs"): torch.arange(1.0, 7.0)})
         >>> ends = EndRows.of(rows, [("obs",)], 3, LastRows(), {}, False, None)
-        >>> ends.split(ends.next_obs[2::3])[("obs",)].view(np.float32).ravel().tolist()
+        >>> first, last = ends.split(ends.obs[::3], ends.next_obs[2::3])
+        >>> last[("obs",)].view(np.float32).ravel().tolist()
         [3.0, 6.0]
     """
 
@@ -133,21 +134,18 @@ class EndRows:
         self.steps, self.restart, self._keys = 1, _NO_FLAGS, ()
         if rows is None or not obs_keys:
             return self
-        whole = None
-        if len(obs_keys) == 1:  # the rows themselves, where numpy views them whole
+        # One key: the rows themselves, where numpy views them whole.
+        whole = whole_words(rows, obs_keys[0], with_ids) if len(obs_keys) == 1 else None
+        if whole is not None:
             key = obs_keys[0]
-            whole = whole_words(rows, key, ("next", *key))
-            ids = (_NO_BYTES,)
-            if whole is not None and with_ids:
-                ids = whole_words(rows, TRAJ_IDS, TRAJ_IDS)
-        if whole is not None and ids is not None:
-            (obs, nxt), ids = whole, ids[0]
+            obs, nxt, ids = whole
             self.obs, self.next_obs, self.ids, self.steps = obs, nxt, ids, steps
             self._keys = ((key, -1, 0),)
             self.restart = _NO_FLAGS if restart is None else restart
-            self.last_next = words(before.next_obs.get(key), obs.dtype)
-            self.first_before = words(fingerprint.get(key), obs.dtype)
-            self.ids_before = words(fingerprint.get(TRAJ_IDS), ids.dtype)
+            self.last_next, self.first_before = words(
+                obs.dtype, before.next_obs.get(key), fingerprint.get(key)
+            )
+            (self.ids_before,) = words(ids.dtype, fingerprint.get(TRAJ_IDS))
             return self
         firsts, lasts, keys, offset = [], [], [], 0
         for key in obs_keys:
@@ -168,7 +166,7 @@ class EndRows:
             self.restart = restart[::steps].copy()
         self.last_next = self._joined(before.next_obs)
         self.first_before = self._joined(fingerprint)
-        self.ids_before = words(fingerprint.get(TRAJ_IDS), self.ids.dtype)
+        (self.ids_before,) = words(self.ids.dtype, fingerprint.get(TRAJ_IDS))
         return self
 
     def _joined(self, rows: dict) -> np.ndarray:
@@ -185,14 +183,22 @@ class EndRows:
             if x.shape[1] != width or (parts and len(x) != len(parts[0])):
                 return _NO_WORDS[self.obs.dtype]
             parts.append(x)
-        return words(np.concatenate(parts, axis=1), self.obs.dtype)
+        return words(self.obs.dtype, np.concatenate(parts, axis=1))[0]
 
-    def split(self, rows: np.ndarray) -> dict:
-        """Rows read as :attr:`obs` (one a stream), as each key's own rows: key -> words."""
+    def split(self, first: np.ndarray, last: np.ndarray) -> tuple[dict, dict]:
+        """First and last rows read as :attr:`obs` (one a stream), as each key's own rows.
+
+        Returns:
+            ``(first, last)``, each key -> words.
+        """
         if len(self._keys) == 1 and self._keys[0][1] < 0:
-            return {self._keys[0][0]: rows}
-        b = rows.view(np.uint8)
-        return {k: np.ascontiguousarray(b[:, o : o + w]) for k, o, w in self._keys}
+            key = self._keys[0][0]
+            return {key: first}, {key: last}
+        a, b = first.view(np.uint8), last.view(np.uint8)
+        return (
+            {k: np.ascontiguousarray(a[:, o : o + w]) for k, o, w in self._keys},
+            {k: np.ascontiguousarray(b[:, o : o + w]) for k, o, w in self._keys},
+        )
 
 
 NO_ENDS = EndRows.of(None, [], 1, LastRows(), {}, False, None)  # observation-only, flat rows
@@ -263,54 +269,53 @@ def as_bytes(x) -> np.ndarray:
     return x.reshape(len(x), math.prod(x.shape[1:])).view(np.uint8)  # (-1 fails on 0 rows)
 
 
-def whole_words(rows: Views, key: tuple, next_key: tuple) -> tuple | None:
-    """``rows[key]`` and ``rows[next_key]`` as words ``[N, W]``, or None.
+def whole_words(rows: Views, key: tuple, with_ids: bool) -> tuple | None:
+    """``rows[key]``, ``rows[("next", *key)]`` and the trajectory ids as words ``[N, W]``, or None.
 
     Each row's bytes viewed as the widest unsigned word that divides them,
-    without a copy. None where the rows have no C-contiguous numpy views
-    (another device, a dtype numpy lacks, a slice): :class:`EndRows` then
-    copies each stream's end rows instead.
+    without a copy (the ids empty without ``with_ids``). None where some of
+    them have no C-contiguous numpy view (another device, a dtype numpy
+    lacks, a slice): :class:`EndRows` then copies each stream's end rows
+    instead.
     """
-    a, b = rows[key], rows[next_key]
-    if (
-        a is None
-        or b is None
-        or not a.flags.c_contiguous
-        or not b.flags.c_contiguous
-        or a.dtype.kind == "O"
-    ):
-        return None
-    n = len(a)
-    width = math.prod(a.shape[1:])  # (-1 fails on 0 rows)
-    a, b = a.reshape(n, width), b.reshape(n, width)
-    size = width * a.itemsize
-    word = _WORDS[min(size & -size, 8)] if size else _WORDS[1]
-    return a.view(word), b.view(word)
+    out = []
+    for k in (key, ("next", *key), TRAJ_IDS) if with_ids else (key, ("next", *key)):
+        a = rows[k]
+        if a is None or not a.flags.c_contiguous or a.dtype.kind == "O":
+            return None
+        n = len(a)
+        width = math.prod(a.shape[1:])  # (-1 fails on 0 rows)
+        size = width * a.itemsize
+        out.append(a.reshape(n, width).view(_WORDS[min(size & -size, 8)] if size else _WORDS[1]))
+    if not with_ids:
+        out.append(_NO_BYTES)
+    return tuple(out)
 
 
 _WORDS = {size: np.dtype(f"uint{8 * size}") for size in (1, 2, 4, 8)}
 _NO_WORDS = {w: np.zeros((0, 0), w) for w in _WORDS.values()}
 
 
-def words(x: np.ndarray | None, word: np.dtype) -> np.ndarray:
+def words(word: np.dtype, *rows: np.ndarray | None) -> list:
     """Rows of bytes ``[R, B]`` (or of other words) viewed as unsigned words ``word``.
 
-    Empty (``[0, 0]``) for None, or where ``B`` is not a whole number of
+    Each empty (``[0, 0]``) for None, or where ``B`` is not a whole number of
     words (then they compare as different from any rows of that word).
 
     Examples:
-        >>> words(np.arange(8, dtype=np.uint8).reshape(1, 8), np.dtype(np.uint32)).shape
-        (1, 2)
-        >>> words(np.zeros((1, 6), np.uint8), np.dtype(np.uint32)).shape
-        (0, 0)
+        >>> eight, six = np.zeros((1, 8), np.uint8), np.zeros((1, 6), np.uint8)
+        >>> a, b = words(np.dtype(np.uint32), eight, six)
+        >>> a.shape, b.shape
+        ((1, 2), (0, 0))
     """
-    if x is None:
-        return _NO_WORDS[word]
-    if x.dtype == word:
-        return x
-    if x.ndim != 2 or not x.flags.c_contiguous:
-        return _NO_WORDS[word]
-    x = x.view(np.uint8)
-    if x.shape[1] % word.itemsize:
-        return _NO_WORDS[word]
-    return x.view(word)
+    out = []
+    for x in rows:
+        if x is None:
+            x = _NO_WORDS[word]
+        elif x.dtype != word:
+            if x.ndim != 2 or not x.flags.c_contiguous or x.view(np.uint8).shape[1] % word.itemsize:
+                x = _NO_WORDS[word]
+            else:
+                x = x.view(np.uint8).view(word)
+        out.append(x)
+    return out

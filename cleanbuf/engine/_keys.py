@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase, is_leaf_nontensor
 
-from cleanbuf.engine._compat import tensordict_children
+from cleanbuf.engine._compat import children_of
 from cleanbuf.engine._errors import InputError, key_name
 
 NEXT = "next"
@@ -161,41 +161,43 @@ def batch_views(td: TensorDictBase, batch_dims: int, n_rows: int) -> Views | Non
 
     Examples:
         >>> from tensordict import TensorDict
-        >>> td = TensorDict({"a": torch.zeros(2, 3, 4)}, batch_size=[2, 3])
+        >>> td = TensorDict({"a": torch.zeros(2, 3, 4), "b": {"c": torch.ones(2, 3)}}, [2, 3])
         >>> views = batch_views(td, 2, 6)
-        >>> views[("a",)].shape, views.parts[0][2]
-        ((6, 4), (2, 3, 4))
+        >>> views[("a",)].shape, views.parts[0][2], list(views)
+        ((6, 4), (2, 3, 4), [('a',), ('b', 'c')])
         >>> batch_views(td.bfloat16(), 2, 6) is None
         True
     """
     views = Views({}, batch_dims, n_rows)
-    parts: list = []
-    if not _walk_views(td, (), views, parts):
+    tensors, rows, parts = views.tensors, views._rows, []
+    children = children_of(td) if type(td) is TensorDict else None
+    if type(children) is not dict:
         return None
+    # Depth first, in key order (the order of the output's keys), without recursion.
+    stack = [((), iter(children.items()))]
+    while stack:
+        prefix, items = stack[-1]
+        for key, value in items:
+            if isinstance(value, torch.Tensor):
+                try:  # (raises for every leaf the general path must see)
+                    a = value.numpy()
+                except (TypeError, RuntimeError):
+                    return None
+                k = (*prefix, key)
+                shape = a.shape  # (a tuple: cheaper to slice than torch.Size, and equal)
+                tensors[k] = value
+                views[k] = a if batch_dims == 1 else a.reshape(rows + shape[batch_dims:])
+                parts.append((k, value.dtype, shape))
+                continue
+            children = children_of(value) if type(value) is TensorDict else None
+            if type(children) is not dict:
+                return None
+            stack.append(((*prefix, key), iter(children.items())))
+            break
+        else:
+            stack.pop()
     views.parts = tuple(parts)
     return views
-
-
-def _walk_views(td: TensorDictBase, prefix: tuple, views: Views, parts: list) -> bool:
-    """:func:`batch_views`'s walk: False where the batch needs the general path."""
-    children = tensordict_children(td) if type(td) is TensorDict else None
-    if children is None:
-        return False
-    tensors, rows, batch_dims = views.tensors, views._rows, views.batch_dims
-    for key, value in children.items():
-        if isinstance(value, torch.Tensor):
-            try:  # (raises for every leaf the general path must see)
-                a = value.numpy()
-            except (TypeError, RuntimeError):
-                return False
-            k = (*prefix, key)
-            shape = a.shape  # (a tuple: cheaper to slice than torch.Size, and equal)
-            tensors[k] = value
-            views[k] = a if batch_dims == 1 else a.reshape(rows + shape[batch_dims:])
-            parts.append((k, value.dtype, shape))
-        elif not _walk_views(value, (*prefix, key), views, parts):
-            return False
-    return True
 
 
 def _plain(leaves: dict) -> dict:
@@ -217,8 +219,8 @@ def _plain(leaves: dict) -> dict:
 
 def _walk(td: TensorDictBase, prefix: tuple, leaves: dict) -> bool:
     """Collects the tensor leaves of a plain ``TensorDict`` tree; False for any other node."""
-    children = tensordict_children(td) if type(td) is TensorDict else None
-    if children is None:
+    children = children_of(td) if type(td) is TensorDict else None
+    if type(children) is not dict:
         return False
     for key, value in children.items():
         if isinstance(value, torch.Tensor):
@@ -274,7 +276,11 @@ def done_flags(rows: Views, done_key: tuple | None) -> np.ndarray:
         >>> done_flags(Views({("next", "done"): torch.tensor([[False], [True]])}, 1, 2), None)
         array([False,  True])
     """
-    return done_source(rows, done_key).read(rows)
+    source = done_source(rows, done_key)
+    done = source.flags(rows)
+    if source.agree:
+        check_done_agrees(done, rows, source.agree)
+    return done
 
 
 class DoneSource(NamedTuple):
@@ -289,13 +295,6 @@ class DoneSource(NamedTuple):
 
     keys: tuple
     agree: tuple = ()
-
-    def read(self, rows: Views) -> np.ndarray:
-        """The done flags of ``rows``, checked against ``agree``."""
-        done = self.flags(rows)
-        if self.agree:
-            _check_done_agrees(done, rows, self.agree)
-        return done
 
     def flags(self, rows: Views) -> np.ndarray:
         """The done flags of ``rows``, unchecked (rows already read and checked once)."""
@@ -345,7 +344,7 @@ def read_flags(rows: Views, key: tuple) -> np.ndarray:
     return rows.tensors[key].reshape(rows.n_rows).cpu().numpy()
 
 
-def _check_done_agrees(done: np.ndarray, rows: Views, parts: tuple) -> None:
+def check_done_agrees(done: np.ndarray, rows: Views, parts: tuple) -> None:
     """Raises unless ``("next", "done")`` is ``terminated | truncated`` on every row.
 
     With only one of the two present, done must be set wherever it is (a missed end would keep

@@ -49,16 +49,17 @@ from cleanbuf.engine._kernels import (
     stream_ends,
 )
 from cleanbuf.engine._keys import (
+    DONE_KEYS,
     FINAL_KEYS,
     TRAJ_IDS,
     Views,
     batch_leaves,
     batch_views,
+    check_done_agrees,
     check_same_layout,
     done_source,
     final_entries,
     observation_keys,
-    read_flags,
     row_flags,
     without_empty_final_entry,
 )
@@ -259,47 +260,6 @@ def restart_rows(options: Options, rows: Views) -> np.ndarray:
         count = rows.tensors[options.step_count_key]
         return (count.reshape(rows.n_rows, -1)[:, 0] == 0).cpu().numpy()
     return NONE
-
-
-def row_flags_or_none(rows: Views, key: tuple) -> np.ndarray:
-    """The flags of ``key`` (see :func:`row_flags`), or empty where the rows lack it."""
-    return row_flags(key[-1], key, rows) if key in rows.tensors else NONE
-
-
-def reward_rows(options: Options, rows: Views) -> np.ndarray:
-    """Per row, nonzero where the reward is not exactly 0 (for the reset-row check)."""
-    key = options.reward_key
-    if not options.check_reset_rows or key is None or options.mode != "next_step":
-        return NONE
-    if key not in rows.tensors:
-        found = [k for k in rows.tensors if "reward" in str(k[-1])]
-        raise InputError(
-            f"reward key {key_name(key)} is missing from the batch (reward-like keys found: "
-            f"{found or 'none'}); the reset-row check reads it: a row after a done row must "
-            "have reward 0 to be dropped as a reset row, and without it data in the wrong "
-            "mode (already clean, or same-step) would lose real rows. Fix: pass "
-            "reward_key= naming the reward (for example reward_key=('reward',)), or "
-            "check_reset_rows=False to drop every row after a done row unchecked. "
-            "Nothing was written."
-        )
-    n = rows.n_rows
-    a = rows[key]
-    if a is not None and a.size == n and a.dtype.kind != "c":
-        return a.reshape(n)
-    reward = rows.tensors[key]
-    width = reward.numel() // n if n else 0  # (batch-shaped: -1 fails on 0 rows)
-    flat = (reward != 0).reshape(n, width)
-    return flat.any(1).to(torch.uint8).cpu().numpy()
-
-
-def joint_rows(options: Options, rows: Views, done: np.ndarray) -> np.ndarray:
-    """Per flat row, done at a step where its whole reset group was done (``joint_key``).
-
-    Empty for time-aligned rows: the kernel reads their joint resets from each step's done flags.
-    """
-    if not options.joint_reset or options.joint_key is None:
-        return NONE
-    return done & row_flags("joint_key", options.joint_key, rows)
 
 
 def fill_marks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -526,6 +486,14 @@ class Schema:
         has_step_count: the rows hold a step count the cleaner fixes.
         fills: the ``("next", k)`` key whose done rows the kernel reads for filled terminal
             observations (None: several keys, or a dtype numba lacks: :func:`stored_rows`).
+        flag_keys: every key read as one bool a row (the done keys and those done must agree
+            with, ``is_init``, the batch-end marks' ``terminated`` and ``truncated``, the joint
+            key, the final-observation mask), each checked when the schema was built.
+        restart: the ``is_init`` key (None: none, or restarts read from ``count``).
+        count: the step-count key whose 0 marks a restart, where there is no ``is_init``.
+        reward: the reward key the reset-row check reads (None: not checked).
+        mark_keys: ``(terminated, truncated)`` keys read for batch-end marks (None: absent).
+        joint: the per-row joint-reset key (``joint_key``), or None.
     """
 
     done: object
@@ -543,6 +511,54 @@ class Schema:
     has_is_init: bool = False
     has_step_count: bool = False
     fills: tuple | None = None
+    flag_keys: tuple = ()
+    restart: tuple | None = None
+    count: tuple | None = None
+    reward: tuple | None = None
+    mark_keys: tuple = (None, None)
+    joint: tuple | None = None
+
+    def flags(self, views: Views) -> tuple:
+        """A call's per-row flags, each role read once, and done checked against its parts.
+
+        Returns:
+            ``(done, restart, reward, terminated, truncated, joint, final_present)``: numpy
+            ``[n_rows]``, or empty where the batch has none (``final_present``: None). The
+            reward as stored (the kernel reads nonzero), or uint8 nonzero flags.
+
+        Raises:
+            InputError: ``("next", "done")`` disagrees with ``terminated | truncated``.
+        """
+        n = views.n_rows
+        f = {}
+        for key in self.flag_keys:  # (checked at build: one bool a row)
+            a = views[key]
+            f[key] = a.reshape(n) if a is not None else views.tensors[key].reshape(n).cpu().numpy()
+        keys, agree = self.done.keys, self.done.agree
+        done = f[keys[0]] if len(keys) == 1 else f[keys[0]] | f[keys[1]]
+        if agree:
+            ends = f[agree[0]] if len(agree) == 1 else f[agree[0]] | f[agree[1]]
+            if np.count_nonzero(ends != done if len(agree) == 2 else ends & ~done):
+                check_done_agrees(done, views, agree)  # (raises, naming a row)
+        restart = NONE
+        if self.restart is not None:
+            restart = f[self.restart]
+        elif self.count is not None:
+            restart = (views.tensors[self.count].reshape(n, -1)[:, 0] == 0).cpu().numpy()
+        reward = NONE
+        if self.reward is not None and self.reward in views.tensors:  # (else read() raises)
+            a = views[self.reward]
+            if a is not None and a.size == n and a.dtype.kind != "c":
+                reward = a.reshape(n)
+            else:
+                r = views.tensors[self.reward]
+                r = (r != 0).reshape(n, r.numel() // n if n else 0)  # (-1 fails on 0 rows)
+                reward = r.any(1).to(torch.uint8).cpu().numpy()
+        term = f.get(self.mark_keys[0], NONE) if self.marks else NONE  # (f.get(None): NONE)
+        trunc = f.get(self.mark_keys[1], NONE) if self.marks else NONE
+        joint = NONE if self.joint is None else done & f[self.joint]
+        present = None if self.final_mask is None else f[self.final_mask]
+        return done, restart, reward, term, trunc, joint, present
 
 
 def structure(layout: CallLayout, leaves: dict, batch_dims: int) -> tuple:
@@ -569,8 +585,9 @@ def build_schema(options: Options, layout: CallLayout, views: Views, batch_dims:
         (*p[:-1], "_" + p[-1]) in leaves
         for p in ([opts.final_obs_key] if opts.final_obs_key is not None else FINAL_KEYS)
     )
+    flag_keys = [*done.keys, *done.agree]
     if opts.mode == "disabled":
-        return Schema(done, empty_entry)
+        return Schema(done, empty_entry, flag_keys=tuple(flag_keys))
     bookkeeping = {k for k in (opts.is_init_key, opts.step_count_key) if k}
     obs_keys, obs_only = observation_keys(leaves, opts.observation_keys, bookkeeping)
     if not obs_only:
@@ -601,13 +618,68 @@ def build_schema(options: Options, layout: CallLayout, views: Views, batch_dims:
         dtype = leaves[("next", *obs_keys[0])].dtype
         if dtype not in (torch.float16, torch.bfloat16, torch.complex64, torch.complex128):
             fills = ("next", *obs_keys[0])  # (float16: numba lacks it)
+    if final_mask is not None:
+        flag_keys.append(final_mask)  # (checked by final_entries)
     return Schema(
         done, empty_entry, obs_keys, obs_only, obs_schema, final_of, final_mask, moved, rules,
         marks, group, exact,
         has_is_init=opts.is_init_key in leaves,
         has_step_count=any(k in leaves for k in opts.step_count_keys),
-        fills=fills,
+        fills=fills, **_role_keys(opts, views, bool(marks), flag_keys),
     )  # fmt: skip
+
+
+def _role_keys(options: Options, views: Views, marks: bool, flag_keys: list) -> dict:
+    """The keys :meth:`Schema.flags` reads by role, each checked here once.
+
+    Returns:
+        The schema's ``flag_keys`` (``flag_keys`` and the flag keys found here), ``restart``,
+        ``count``, ``reward``, ``mark_keys`` and ``joint``.
+
+    Raises:
+        InputError: a flag key that is not one bool a row; the reward key missing.
+    """
+    opts, leaves = options, views.tensors
+    restart = count = joint = None
+    if opts.is_init_key is not None and opts.is_init_key in leaves:
+        restart = opts.is_init_key
+    elif opts.step_count_key is not None and opts.step_count_key in leaves:
+        count = opts.step_count_key
+    mark_keys = (None, None)
+    if marks:
+        mark_keys = tuple(k if k in leaves else None for k in DONE_KEYS[1:])
+    if opts.joint_reset and opts.joint_key is not None:
+        joint = opts.joint_key
+    for name, key in (("is_init", restart), ("terminated", mark_keys[0]),
+                      ("truncated", mark_keys[1]), ("joint_key", joint)):  # fmt: skip
+        if key is not None and key not in flag_keys:
+            row_flags(name, key, views)
+            flag_keys.append(key)
+    reward = _reward_key(opts)
+    return dict(flag_keys=tuple(flag_keys), restart=restart, count=count, reward=reward,
+                mark_keys=mark_keys, joint=joint)  # fmt: skip
+
+
+def _reward_key(options: Options) -> tuple | None:
+    """The reward key the reset-row check reads (None: not checked)."""
+    key = options.reward_key
+    if not options.check_reset_rows or key is None or options.mode != "next_step":
+        return None
+    return key
+
+
+def no_reward(key: tuple, leaves: dict) -> InputError:
+    """The error for a batch without the reward key the reset-row check reads."""
+    found = [k for k in leaves if "reward" in str(k[-1])]
+    return InputError(
+        f"reward key {key_name(key)} is missing from the batch (reward-like keys found: "
+        f"{found or 'none'}); the reset-row check reads it: a row after a done row must "
+        "have reward 0 to be dropped as a reset row, and without it data in the wrong "
+        "mode (already clean, or same-step) would lose real rows. Fix: pass "
+        "reward_key= naming the reward (for example reward_key=('reward',)), or "
+        "check_reset_rows=False to drop every row after a done row unchecked. "
+        "Nothing was written."
+    )
 
 
 @dataclasses.dataclass
@@ -624,7 +696,8 @@ class Call:
     obs_only: bool = False
     final_of: dict = dataclasses.field(default_factory=dict)
     final_present: np.ndarray | None = None
-    restart: np.ndarray = dataclasses.field(default_factory=lambda: NONE)
+    restart: np.ndarray | None = None  # per row, it restarts its stream (Schema.flags)
+    kernel_flags: tuple = ()  # (reward, terminated, truncated, joint): see Schema.flags
     ends: CallEnds | None = None  # time-aligned full transitions only
     rules: Rules | None = None
     schema: dict = dataclasses.field(default_factory=dict)  # obs key -> (dtype, feature shape)
@@ -686,7 +759,9 @@ class Reader:
             views = Views.of_batch(batch_leaves(td), td.batch_dims, layout.n_rows)
         leaves = views.tensors  # as stored; read as rows through views
         schema = self._schema(layout, views, td.batch_dims)
-        call = Call(td.device, layout, views, schema.done.read(views), moved=leaves)
+        done, restart, reward, term, trunc, joint, present = schema.flags(views)
+        call = Call(td.device, layout, views, done, moved=leaves, restart=restart)
+        call.kernel_flags = reward, term, trunc, joint
         if schema.empty_entry:
             call.moved = without_empty_final_entry(leaves, opts.final_obs_key)
         if opts.mode == "disabled":
@@ -702,15 +777,15 @@ class Reader:
             same_observations(carry.obs_schema, schema.obs_schema)
         if schema.final_of:
             call.final_of = schema.final_of
-            if schema.final_mask is not None:
-                call.final_present = read_flags(views, schema.final_mask)
+            call.final_present = present
         if schema.moved is not None:
             call.moved = {k: leaves[k] for k in schema.moved}
         if len(carry.held_stream) and (schema.empty_entry or carry.held_schema is not schema):
             same_schema_as_held(carry.held, call.moved, td.batch_dims)
-        grow = layout.n_streams > carry.n_streams
+        if schema.reward is not None and schema.reward not in leaves:
+            raise no_reward(schema.reward, leaves)
+        grow = layout.n_streams > carry.per_stream.shape[1]  # (more streams than carried)
         call.carry = carry.grown(layout.n_streams) if grow else carry
-        call.restart = restart_rows(opts, views)
         call.rules = schema.rules
         if keep_lost and call.rules.drop_lost:  # (the repair masks lost rows: it keeps them)
             call.rules = call.rules._replace(drop_lost=False)
@@ -722,13 +797,9 @@ class Reader:
         )
         # One kernel call: the stream ends, and the plan unless the rows pass through.
         self._run_kernel(call, carry, before, plan or not call.as_is)
-        self._check_ends(call)
+        if call.ends is not None and call.ends.broken >= 0:
+            check(call.ends, call.obs_keys)  # (raises: a stream does not continue)
         return call
-
-    def _check_ends(self, call: Call) -> None:
-        """The continuity check of the stream ends read."""
-        if call.ends is not None:
-            check(call.ends, call.obs_keys)
 
     def _schema(self, layout: CallLayout, views: Views, batch_dims: int) -> Schema:
         """The schema of the batch's structure: cached, else built with every check."""
@@ -755,6 +826,7 @@ class Reader:
         """
         opts, views, layout, schema = self.options, call.views, call.layout, call.structure
         rules, done, n = call.rules, call.done, layout.n_rows
+        reward, term, trunc, joint = call.kernel_flags
         fills, stored = _NO_FILLS, _EMPTY_BOOL
         if plan and rules.reset_rows and not call.obs_only:
             if opts.terminal_obs_in_done_row:
@@ -782,20 +854,18 @@ class Reader:
         else:
             k_ends, call.planned = one_pass(
                 n, layout.steps, layout.stream, done, fills, fills.dtype.kind == "f",
-                fills.dtype.kind == "i", stored, joint_rows(opts, views, done), schema.group,
+                fills.dtype.kind == "i", stored, joint, schema.group,
                 NONE if call.final_present is None else call.final_present,
-                bool(call.final_of), reward_rows(opts, views), call.restart,
-                row_flags_or_none(views, ("next", "terminated")) if marks else NONE,
-                row_flags_or_none(views, ("next", "truncated")) if marks else NONE,
-                marks, ends.obs, ends.next_obs, ends.steps, ends.last_next, ends.first_before,
-                ends.open_before, ends.restart, ends.ids, ends.ids_before,
+                bool(call.final_of), reward, call.restart, term, trunc, marks, ends.obs,
+                ends.next_obs, ends.steps, ends.last_next, ends.first_before, ends.open_before,
+                ends.restart, ends.ids, ends.ids_before,
                 call.carry.per_stream, rules.reset_rows, rules.successor, rules.final,
                 rules.stitch, rules.hold_done, rules.drop_lost,
             )  # fmt: skip
         if not len(ends.obs):  # no stream ends: observation-only rows, flat rows
             return
         first_k, last_k, cont, same, broken, first_ids = k_ends
-        first, last = ends.split(first_k), ends.split(last_k)
+        first, last = ends.split(first_k, last_k)
         if schema.exact:
             first[TRAJ_IDS] = first_ids
         fingerprint = {} if before is None else before.rows
@@ -832,5 +902,8 @@ class Reader:
                 reset_groups(group, layout.n_streams, layout.stream_shape)
             if len(self._layouts) < _CACHE_SIZE:
                 self._layouts[cache_key] = layout
-        same_streams(carry, layout)
+        if carry.layout_kind is not None and (
+            layout.kind != carry.layout_kind or layout.stream_shape != carry.stream_shape
+        ):
+            same_streams(carry, layout)  # (raises)
         return layout

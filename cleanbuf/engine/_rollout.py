@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from cleanbuf.engine._cleaner import Cleaner, lost_policy
+from cleanbuf.engine._cleaner import Cleaner, lost_policy, plan_call
 from cleanbuf.engine._compat import new_tensordict
 from cleanbuf.engine._errors import LayoutError, StateError
 from cleanbuf.engine._kernels import RELEASED_AS_IS, RELEASED_LOST
@@ -120,7 +120,7 @@ class Rollouts:
         rows = _copies(call.views, call.moved, n)
         if call.carry is None:  # disabled mode: nothing to repair
             return self._emit(td, rows, hold=False, counts={})
-        plan = cleaner.plan(call)
+        plan = plan_call(call, cleaner.options)
         counts = self._patch(call, plan, rows)
         held = self._release(call, plan, counts)
         hold = plan.sel.hold

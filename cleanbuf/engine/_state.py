@@ -270,9 +270,8 @@ class State:
 
         Shallow copies suffice, as for :meth:`Carry.snapshot`.
         """
-        return State(
-            self.carry.snapshot(), [c.snapshot() for c in self.producers], dict(self.stats)
-        )
+        producers = [c.snapshot() for c in self.producers] if self.producers else []
+        return State(self.carry.snapshot(), producers, dict(self.stats))
 
 
 _LAYOUT_KINDS = (None, "time_last", "step", "stream_key")

@@ -208,7 +208,7 @@ def move(
             x = views.flat(k)
             tensors[k] = x.clone() if k in patched else x
     else:
-        emit_rows, slots = RowIndex(emit), RowIndex(rel_slots)
+        emit_rows = slots = None  # (made on first use: small rows are taken without them)
         size = n_rel + len(emit)
         small = SMALL_ROW_BYTES * n_rows  # take() up to this size
         for k, x in moved.items():
@@ -220,6 +220,8 @@ def move(
                     out[k] = a
                     tensors[k] = torch.from_numpy(a)
                     continue
+            if emit_rows is None:
+                emit_rows, slots = RowIndex(emit), RowIndex(rel_slots)
             buf = None
             if x.nbytes >= MIN_POOLED_BYTES:
                 feature = x.shape[views.batch_dims :]

@@ -8,6 +8,7 @@ new release shows up there first.
 
 from __future__ import annotations
 
+import operator
 import sys
 from typing import Any
 
@@ -89,14 +90,14 @@ def reports_writes(rb: Any) -> bool:
         return False
 
 
-def writer_position(writer: Any) -> tuple[int, int]:
-    """Where a round-robin writer writes next: ``(cursor, write count)``.
+writer_position = operator.attrgetter("_cursor", "_write_count")  # (a C call: every extend)
+"""``writer_position(writer)``: where a round-robin writer writes next, ``(cursor, write count)``.
 
-    Its ``extend`` moves both before the storage writes (TorchRL does so for
-    workers sharing the writer), so a write that fails leaves them past
-    slots that hold nothing (:func:`rewind_writer`).
-    """
-    return writer._cursor, writer._write_count
+Its ``extend`` moves both before the storage writes (TorchRL does so for
+workers sharing the writer), so a write that fails leaves them past
+slots that hold nothing (:func:`rewind_writer`). Only for a writer that
+:func:`reports_writes` accepted (a ``RoundRobinWriter``).
+"""
 
 
 def rewind_writer(writer: Any, position: tuple[int, int], n_rows: int) -> bool:

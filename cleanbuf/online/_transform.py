@@ -1,4 +1,24 @@
-"""The TorchRL replay-buffer transform: a thin shell over the cleaner."""
+"""The TorchRL replay-buffer transform: a thin shell over the cleaner.
+
+Whether the rows a filter's call returned reached the buffer: TorchRL's writer says so.
+A replay buffer runs the filter, then writes what the filter returned; if that write fails
+(a full disk, a storage that raises) the filter has already moved on. TorchRL's round-robin
+writers tell every entity attached to the storage, after each write that succeeded, which
+slots it wrote (``storage.attach(entity)``; the writer then calls ``entity.mark_update(index)``,
+as it does for a prioritized sampler). The filter attaches a :class:`WriteMarks` counter to its
+buffer's storage, and before its next call, its flush, its stats and its state it reads whether
+the count moved since its last call returned rows:
+
+- moved: stored; the same batch written again is a duplicate (a
+  :class:`~cleanbuf.ContinuityError`), never a retry;
+- did not move: the write failed; the cleaner goes back to before that call (the rows it
+  released are held again), as if it never came: a retry stores them, and another batch is
+  refused as a skipped one;
+- unknown (another writer, a consuming buffer, copies of the filter in worker processes or Ray
+  actors): the cleaner's own rule stays (the undo of :class:`cleanbuf.engine._cleaner.Cleaner`).
+
+No row of the storage is read.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +38,7 @@ from cleanbuf.engine._errors import (
     TerminalObservationLostError,
 )
 from cleanbuf.engine._options import Options, keyword_names, options_in, refuse_unknown
-from cleanbuf.online import _at_exit, _publish, _writes
+from cleanbuf.online import _at_exit, _publish
 from cleanbuf.online._base import OnlineCleaner
 from cleanbuf.online._compact import (
     STREAM_KEY,
@@ -26,7 +46,13 @@ from cleanbuf.online._compact import (
     is_compact,
     with_stream_index,
 )
-from cleanbuf.online._compat import calling_replay_buffer, rewind_writer, writer_position
+from cleanbuf.online._compat import (
+    attached_entities,
+    calling_replay_buffer,
+    reports_writes,
+    rewind_writer,
+    writer_position,
+)
 from cleanbuf.online._copies import CopyStates
 from cleanbuf.online._first_write import check_late_attachment, check_orientation
 from cleanbuf.online._losses import LOST_KEY, LostObservations
@@ -105,6 +131,55 @@ def not_a_tensordict(data: Any, layout: str | None = None) -> str:
         f"rb.extend(tensordict.TensorDict(data, batch_size={wrap})); for stored arrays, "
         "rows = cleanbuf.clean(data); for on-policy rollouts, RolloutRepair." + end
     )
+
+
+class WriteMarks:
+    """Counts the writes TorchRL's writer reports to a storage's attached entities.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(8))
+        >>> marks = marks_of(rb)
+        >>> _ = rb.extend(TensorDict({"a": torch.zeros(3)}, [3]))
+        >>> marks.writes, marks_of(rb) is marks  # one per storage
+        (1, True)
+    """
+
+    __slots__ = ("writes",)
+
+    def __init__(self):
+        self.writes = 0
+
+    def mark_update(self, index: Any) -> None:
+        """Called by the writer after a write that succeeded."""
+        self.writes += 1
+
+    def __getstate__(self) -> dict:
+        return {"writes": self.writes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.writes = state["writes"]
+
+
+def marks_of(rb: Any) -> WriteMarks | None:
+    """The write counter attached to ``rb``'s storage (attached on first use).
+
+    None where the buffer's writer does not report its writes (see
+    :func:`~cleanbuf.online._compat.reports_writes`): the filter cannot
+    tell a failed write there.
+    """
+    if rb is None or not reports_writes(rb):
+        return None
+    entities = attached_entities(rb.storage)
+    if entities is None:
+        return None
+    marks = next((e for e in entities if type(e) is WriteMarks), None)
+    if marks is None:
+        marks = WriteMarks()
+        rb.storage.attach(marks)
+    return marks
 
 
 class AutoresetFilter(OnlineCleaner, Transform):
@@ -231,7 +306,7 @@ class AutoresetFilter(OnlineCleaner, Transform):
         # the last call's rows, on their way: the buffer's write counter and its count
         # then, the writer's position before them, and how many rows
         self._last_write: tuple | None = None
-        self._marks: _writes.WriteMarks | None = None  # the buffer's write counter (first call)
+        self._marks: WriteMarks | None = None  # the buffer's write counter (first call)
         self._writer = None  # the buffer's round-robin writer, where it reports writes
         _at_exit.watch(self)  # held rows never flushed are said at interpreter exit
 
@@ -432,30 +507,19 @@ class AutoresetFilter(OnlineCleaner, Transform):
             )
         if not isinstance(tensordict, TensorDictBase):
             raise InputError(not_a_tensordict(tensordict, self.options.layout))
-        if not self._storage_checked:
-            rb = calling_replay_buffer()
-            check_storage(rb)
-            # Once, at the first write: a [T, E] batch where [E, T] is read, and
-            # a buffer that already holds rows this filter did not write.
-            check_orientation(tensordict, self.options)
-            fresh = self._copies is None and not self._engine.count("rows_in")
-            self.rows_before_attach = check_late_attachment(
-                rb, fresh and not is_storage_init(tensordict)
-            )
-            self._marks = _writes.marks_of(rb)
-            self._writer = rb._writer if self._marks is not None else None
-            self._stream_index = rb is not None and is_compact(getattr(rb, "storage", None))
-            self._storage_checked = True  # once per process: a frame walk is not free
-        if self._in_ray_actor is None:  # where it runs: read once (after an unpickling too)
-            self._in_ray_actor = in_ray_actor()
-            self._engine.many_producers = self._in_ray_actor
-        if is_storage_init(tensordict):
+        if not self._storage_checked or self._in_ray_actor is None:
+            self._first_write(tensordict)
+        one_step = tensordict.batch_dims and tensordict.batch_size[-1] == 1  # (spares a call)
+        if one_step and is_storage_init(tensordict):
             # Shaped as the filter's rows, so the storage is laid out for them;
             # TorchRL empties the buffer right after: nothing is counted or kept.
             return Cleaner(self.options)(tensordict)
         failed = self._settle_write()
-        marks = self.__dict__["_marks"] if self._tracks_writes() else None
-        lost = self._engine.count("terminal_obs_missing")
+        # One filter in one process tells its calls' writes apart (see the module);
+        # copies in workers and Ray actors keep the cleaner's own retry rule.
+        tracks = self._copies is None and not self._in_ray_actor
+        marks = self.__dict__["_marks"] if tracks else None
+        lost = self._engine.state.stats["terminal_obs_missing"]
         if self._stream_index:  # which stored row follows which, for the compact storage
             tensordict = with_stream_index(
                 tensordict, self.options.layout, self.options.stream_key, owned=owned
@@ -474,20 +538,39 @@ class AutoresetFilter(OnlineCleaner, Transform):
             # (per-call fields go into __dict__: nn.Module.__setattr__ costs more)
             n = out.batch_size[0]
             self.__dict__["_last_write"] = (marks, marks.writes, writer_position(self._writer), n)
-        elif self._tracks_writes():
+        elif tracks:
             self._engine.last_call_stored()  # nothing to write, or no buffer: no retry
-        self._count_lost(self._engine.count("terminal_obs_missing") - lost)
+        lost = self._engine.state.stats["terminal_obs_missing"] - lost
+        if lost:
+            self._count_lost(lost)
         if self._copies is not None:
             self._publish()
         return out
 
-    def _tracks_writes(self) -> bool:
-        """Whether this filter tells its calls' writes apart (:mod:`cleanbuf.online._writes`).
+    def _first_write(self, tensordict: TensorDictBase) -> None:
+        """At the first write: where the filter runs, the buffer, and what it already holds.
 
-        One filter in one process; copies in workers and Ray actors keep
-        the cleaner's own retry rule.
+        Where it runs is read again after an unpickling. Once per process: refuses a buffer that
+        cannot take the filter's rows, a ``[T, E]`` batch where ``[E, T]`` is read, and warns of
+        a buffer that already holds rows this filter did not write; attaches the write counter
+        (see the module).
         """
-        return self._copies is None and not self._in_ray_actor
+        if self._in_ray_actor is None:
+            self._in_ray_actor = in_ray_actor()
+            self._engine.many_producers = self._in_ray_actor
+        if self._storage_checked:
+            return
+        rb = calling_replay_buffer()
+        check_storage(rb)
+        check_orientation(tensordict, self.options)
+        fresh = self._copies is None and not self._engine.count("rows_in")
+        self.rows_before_attach = check_late_attachment(
+            rb, fresh and not is_storage_init(tensordict)
+        )
+        self._marks = marks_of(rb)
+        self._writer = rb._writer if self._marks is not None else None
+        self._stream_index = rb is not None and is_compact(getattr(rb, "storage", None))
+        self._storage_checked = True  # once per process: a frame walk is not free
 
     def _settle_write(self) -> bool:
         """Reads whether the last call's rows reached the buffer; True if they did not.
