@@ -111,6 +111,14 @@ def _drop(*keys):
     return _feed(lambda b: b.exclude(*keys))
 
 
+def _no_episode_end(b):
+    """The batch with no row done (nothing to clean in it)."""
+    for key in (DONE, ("next", "terminated"), ("next", "truncated")):
+        if key in b.keys(True):
+            b.set(key, torch.zeros_like(b.get(key)))
+    return b
+
+
 def _both_obs(make):
     def change(b):
         b.set(OBS, make(b.get(OBS)))
@@ -331,6 +339,14 @@ CASES = [
         ),
         at=0,
         bug="silently wrong: no reward, no reset-row check: clean data lost real rows",
+    ),
+    Case(
+        "reward missing on a call without an episode end",
+        _feed(lambda b: _no_episode_end(b.exclude(REWARD))),
+        clear(InputError, "reward key ('next', 'reward') is missing", "reward_key="),
+        at=0,
+        bug="a call with nothing to clean passed unchecked; the first episode end raised, "
+        "rows already stored",
     ),
     Case(
         "reward at the root on the first call",
