@@ -339,18 +339,15 @@ def stored_rows(rows: Views, obs_keys, done: np.ndarray) -> np.ndarray:
     return out
 
 
-def same_streams(carry: Carry, layout: CallLayout) -> None:
-    """Raises unless a call's streams are those of the calls before it."""
-    if carry.layout_kind is None or layout.kind == "stream_key":
-        return
-    if layout.kind != carry.layout_kind or layout.stream_shape != carry.stream_shape:
-        raise LayoutError(
-            f"the streams changed between calls: earlier calls had {carry.layout_kind} "
-            f"streams of shape {list(carry.stream_shape)}, this call has {layout.kind} "
-            f"streams of shape {list(layout.stream_shape)}. Each stream must stay "
-            "the same env across calls. Call flush() and use a new filter for a new "
-            "env set, or use stream_key= if envs come and go."
-        )
+def streams_changed(carry: Carry, layout: CallLayout) -> LayoutError:
+    """The error for a call of fixed layout whose streams are not those of the calls before."""
+    return LayoutError(
+        f"the streams changed between calls: earlier calls had {carry.layout_kind} "
+        f"streams of shape {list(carry.stream_shape)}, this call has {layout.kind} "
+        f"streams of shape {list(layout.stream_shape)}. Each stream must stay "
+        "the same env across calls. Call flush() and use a new filter for a new "
+        "env set, or use stream_key= if envs come and go."
+    )
 
 
 def same_schema_as_held(held: dict, leaves: dict, batch_dims: int) -> None:
@@ -637,7 +634,8 @@ def _role_keys(options: Options, views: Views, marks: bool, flag_keys: list) -> 
         ``count``, ``reward``, ``mark_keys`` and ``joint``.
 
     Raises:
-        InputError: a flag key that is not one bool a row; the reward key missing.
+        InputError: a flag key that is not one bool a row (a missing reward key is refused by
+            :meth:`Reader.read`, after the held rows' keys are compared).
     """
     opts, leaves = options, views.tensors
     restart = count = joint = None
@@ -905,5 +903,5 @@ class Reader:
         if carry.layout_kind is not None and (
             layout.kind != carry.layout_kind or layout.stream_shape != carry.stream_shape
         ):
-            same_streams(carry, layout)  # (raises)
+            raise streams_changed(carry, layout)
         return layout
