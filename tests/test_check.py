@@ -538,8 +538,8 @@ def test_the_readme_shows_the_command_and_its_output():
     text = (ROOT / "README.md").read_text()
     block = re.search(r"```console\n(.*?)```", text, re.S).group(1)
     command, *shown = block.splitlines()
-    assert command.startswith("$ cleanbuf check")
-    args = command.removeprefix("$ cleanbuf ").split()
+    assert command.startswith("$ .venv/bin/cleanbuf check")  # (the install's venv)
+    args = command.removeprefix("$ .venv/bin/cleanbuf ").split()
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     done = subprocess.run(
         [sys.executable, "-m", "cleanbuf", *args],

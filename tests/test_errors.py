@@ -191,6 +191,57 @@ def test_integer_observation_lost_without_policy():
     assert kept.stats["terminal_obs_missing"] > 0 and len(rb2) == kept.stats["rows_out"]
 
 
+def test_integer_observations_lost_are_offered_only_the_policies_that_apply():
+    """Bug caught: the error for lost terminal observations of integer keys offered
+    on_lost_terminal_obs='nan', which the next call then refused (a printed fix that
+    fails); each policy it names is run as printed.
+    """
+    bad = next_step_batch(2, 30, 3, group=2)
+    for key in ("observation", ("next", "observation")):
+        bad.set(key, bad[key].to(torch.int64))
+    with pytest.raises(TerminalObservationLostError) as info:
+        AutoresetFilter("next_step", joint_reset=True).inv(bad)
+    message = str(info.value)
+    assert "'nan'" not in message and "for_env(env, on_lost_terminal_obs='drop')" in message
+    for policy in ("drop", "keep"):
+        assert f"'{policy}' (" in message
+        filt = AutoresetFilter("next_step", joint_reset=True, on_lost_terminal_obs=policy)
+        assert len(filt.inv(bad)) == filt.stats["rows_out"] > 0
+
+
+def test_a_missing_reward_key_error_gives_a_fix_that_runs():
+    """Bug caught: the missing-reward error's example named ('reward',) where the
+    batch had no such key; its fix is now the reward-like key found (run as printed),
+    or a placeholder where none is found.
+    """
+    batch = next_step_batch(2, 30, 3)
+    moved = batch.clone()
+    moved.set("reward", moved.pop(("next", "reward")))
+    with pytest.raises(InputError) as info:
+        AutoresetFilter("next_step").inv(moved)
+    assert "reward_key=('reward',)" in str(info.value)
+    fixed = AutoresetFilter("next_step", reward_key=("reward",))
+    assert len(fixed.inv(moved)) == len(AutoresetFilter("next_step").inv(batch))
+    renamed = batch.clone()
+    renamed.set(("next", "rew"), renamed.pop(("next", "reward")))
+    with pytest.raises(InputError) as info:
+        AutoresetFilter("next_step").inv(renamed)
+    assert "reward_key=KEY" in str(info.value) and "('next', 'rew')" in str(info.value)
+
+
+def test_a_reset_row_error_names_the_reward_key_and_a_loops_own_reset():
+    """Bug caught: a raw loop that calls envs.reset() itself met a ResetRowError
+    naming every cause but that one (a user then turned the checks off and lost
+    real rows), and not the key read.
+    """
+    filt, rb, rest = _primed()
+    bad = next_step_batch(2, 30, 3, group=2)
+    assert_rejected(
+        filt, rb, bad, ResetRowError, "nonzero reward (('next', 'reward'))",
+        "step_rows(..., reset=mask)", then=rest,
+    )  # fmt: skip
+
+
 def test_nan_policy_on_integer_observation():
     """Bug caught: on_lost_terminal_obs='nan' honoured on uint8 (NaN -> 0)."""
     filt = AutoresetFilter("next_step", joint_reset=True, on_lost_terminal_obs="nan")

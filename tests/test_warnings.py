@@ -50,7 +50,9 @@ def test_the_lost_warning_producers_run_as_printed():
     vector_kwargs={'autoreset_mode': ...})`` failed for CartPole, whose
     default vectorization builds its own vector env that takes no
     ``autoreset_mode``. Both producers it names now run as printed (name
-    and num_envs filled in) and build a same-step or disabled vector env.
+    and num_envs filled in) and build a same-step or disabled vector env, the
+    aside the same mode as ``lossless_gym_env`` (it said same-step where that
+    builds a disabled one).
     """
     import re
 
@@ -68,12 +70,15 @@ def test_the_lost_warning_producers_run_as_printed():
     calls = re.findall(r"(cleanbuf\.lossless_gym_env\([^)]*\)|gymnasium\.make_vec\(.*?\}\))",
                        message)  # fmt: skip
     assert len(calls) == 2, message
+    modes = []
     for call in calls:
         names = {"cleanbuf": cleanbuf, "gymnasium": gymnasium, "AutoresetMode": AutoresetMode}
         env = eval(call, {**names, "name": "CartPole-v1", "num_envs": 2})
         vec = getattr(env, "_env", env)
-        assert vec.metadata["autoreset_mode"] in (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
+        modes.append(vec.metadata["autoreset_mode"])
         env.close()
+    # The aside says what lossless_gym_env builds (it said SAME_STEP; it builds DISABLED).
+    assert modes[0] == modes[1] and modes[0] in (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED)
 
 
 def test_no_warning_when_a_policy_is_chosen():
@@ -137,3 +142,33 @@ def test_a_flush_of_rows_without_their_next_row_says_so():
     said = [str(w.message) for w in record]
     assert any(f"{n_next} row(s) stored by filt.flush(rb) are not done" in m for m in said), said
     assert any("on_lost_terminal_obs='drop'" in m for m in said)
+
+
+def test_a_flush_mid_run_says_to_flush_once():
+    """Bug caught: a flush after each batch (as for a checkpoint) stored held rows with
+    NaN while their reset rows came in the next batch, and the warning said those rows
+    were never collected. It now says to flush once, at the end, and names the checkpoint.
+    """
+    seed = next(s for s in range(100) if next_step_batch(2, 40, s)["next", "done"][:, 19].any())
+    filt = AutoresetFilter("next_step")
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000), transform=filt)
+    batch = next_step_batch(2, 40, seed)
+    rb.extend(batch[:, :20])  # a done row on its last step: held for its reset row
+    assert filt.stats["rows_held"], "precondition: a held row to flush"
+    with pytest.warns(CleanbufWarning) as record:
+        filt.flush(rb)
+    said = " ".join(str(w.message) for w in record)
+    assert "had not come" in said and "Flush once, when collection ends" in said
+    assert "filt.state_dict()" in said
+
+
+def test_the_repr_shows_checks_turned_off():
+    """Bug caught: a filter with its safety checks off, or reading another reward key,
+    printed the repr of one with the defaults.
+    """
+    text = repr(
+        AutoresetFilter("next_step", check_reset_rows=False, check_continuity=False,
+                        reward_key=("reward",))
+    )  # fmt: skip
+    for part in ("check_reset_rows=False", "check_continuity=False", "reward_key=('reward',)"):
+        assert part in text, text

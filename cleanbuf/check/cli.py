@@ -389,8 +389,8 @@ def _run(args: argparse.Namespace, audit, clean_dataset) -> int:
             if done.capacity is not None:
                 print(
                     f"  {'capacity':22s}{done.capacity} (load it into a buffer of exactly this "
-                    f"size, built as SRC's was: ReplayBuffer(storage=LazyTensorStorage("
-                    f"{done.capacity})).loads(DST), or LazyMemmapStorage)"
+                    f"size, built as SRC's was: rb = ReplayBuffer(storage=LazyTensorStorage("
+                    f"{done.capacity})); rb.loads(DST), or LazyMemmapStorage)"
                 )
         return 0
     except (CleanbufError, OSError) as err:

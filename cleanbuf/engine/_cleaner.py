@@ -74,9 +74,9 @@ from cleanbuf.engine._write import (
 # Numpy arrays and counts; no tensor is touched here.
 
 
-def bad_reset_row(row: int, stream: int, done: bool) -> ResetRowError:
+def bad_reset_row(row: int, stream: int, done: bool, reward_key: tuple) -> ResetRowError:
     """The error for a supposed reset row that is not one (the safety net)."""
-    what = "is itself done" if done else "has a nonzero reward"
+    what = "is itself done" if done else f"has a nonzero reward ({key_name(reward_key)})"
     return ResetRowError(
         f"row {row} (stream {stream}) follows a done row, so in next-step mode it "
         f"must be an auto-reset row (reward exactly 0, not done), but it {what}. "
@@ -86,8 +86,9 @@ def bad_reset_row(row: int, stream: int, done: bool) -> ResetRowError:
         "joint_reset=True; AutoresetFilter.for_env(env) sets both. If a reward "
         "transform inside the env shifts rewards away from 0, pass "
         "check_reset_rows=False. If the configuration is right, a batch was skipped or "
-        "came out of order (the row after a done row is not its reset row). Nothing was "
-        "written."
+        "came out of order (the row after a done row is not its reset row), or a raw loop "
+        "reset envs itself (envs.reset()) after they ended: build that step's rows with "
+        "cleanbuf.step_rows(..., reset=mask), True for the envs reset. Nothing was written."
     )
 
 
@@ -135,12 +136,15 @@ def lost_policy(
             else "on_lost_terminal_obs='raise'"
         )
         keys = ", ".join(key_name(("next", *k)) for k in obs_keys)
+        nan = "" if ints else " or 'nan' (mark them NaN)"
         raise TerminalObservationLostError(
             f"{n_lost} next observation(s) ({keys}) are lost (the producer reset every env of "
             "a reset group at once, the final observation is absent, or the row after "
             f"never arrived) and {why}. Choose on_lost_terminal_obs='drop' (do not "
-            "store those rows), 'keep' (store them as the producer left them) or 'nan' "
-            "(floating observations only). Nothing was written."
+            f"store those rows), 'keep' (store them as the producer left them){nan}, where "
+            "the options are given (AutoresetFilter(..., on_lost_terminal_obs='drop'), "
+            "AutoresetFilter.for_env(env, on_lost_terminal_obs='drop'), clean(...) or "
+            "RolloutRepair(...) alike). Nothing was written."
         )
     if policy == "nan" and ints:
         raise InputError(
@@ -261,7 +265,8 @@ def plan_call(call: Call, options: Options) -> Plan:
     k = KernelResult(Selection(*sel), *rest)
     if k.bad_row >= 0:
         stream = int(layout.stream_of(np.array([k.bad_row]))[0])
-        raise bad_reset_row(k.bad_row, stream, bool(call.done[k.bad_row]))
+        bad = k.bad_row
+        raise bad_reset_row(bad, stream, bool(call.done[bad]), options.reward_key)
     release = NO_RELEASE
     if len(call.carry.held_stream):
         release = Release.of(call.carry, k.released_src, options.done_key)

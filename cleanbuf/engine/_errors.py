@@ -131,7 +131,8 @@ def lost_message(n_lost: int, who: str, where: str = "", first_batch: bool = Fal
         "stats['terminal_obs_missing'] counts them. Use a "
         "lossless producer, cleanbuf.lossless_gym_env(name, num_envs) (TorchRL's "
         "GymWrapper over gymnasium.make_vec(name, num_envs, vectorization_mode='sync', "
-        "vector_kwargs={'autoreset_mode': AutoresetMode.SAME_STEP})), or "
+        "vector_kwargs={'autoreset_mode': AutoresetMode.DISABLED}), whose partial resets "
+        "TorchRL makes itself), or "
         "on_lost_terminal_obs='drop' to "
         f"{drop}." + _shown_once(who, first_batch)
     )

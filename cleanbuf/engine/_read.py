@@ -669,14 +669,14 @@ def _reward_key(options: Options) -> tuple | None:
 def no_reward(key: tuple, leaves: dict) -> InputError:
     """The error for a batch without the reward key the reset-row check reads."""
     found = [k for k in leaves if "reward" in str(k[-1])]
+    name = f"reward_key={found[0]!r}" if found else "reward_key=KEY (the key of your reward)"
     return InputError(
         f"reward key {key_name(key)} is missing from the batch (reward-like keys found: "
-        f"{found or 'none'}); the reset-row check reads it: a row after a done row must "
-        "have reward 0 to be dropped as a reset row, and without it data in the wrong "
-        "mode (already clean, or same-step) would lose real rows. Fix: pass "
-        "reward_key= naming the reward (for example reward_key=('reward',)), or "
-        "check_reset_rows=False to drop every row after a done row unchecked. "
-        "Nothing was written."
+        f"{found or 'none'}; keys: {sorted(leaves, key=str)}); the reset-row check reads it: "
+        "a row after a done row must have reward 0 to be taken for a reset row, and without "
+        "it data in the wrong mode (already clean, or same-step) would lose real rows. Fix: "
+        f"pass {name}, or check_reset_rows=False to take every row after a done row for a "
+        "reset row unchecked. Nothing was written."
     )
 
 

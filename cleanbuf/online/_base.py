@@ -134,6 +134,10 @@ _REPR_OPTIONS = (
     "terminal_obs_in_done_row",
     "producer_key",
     "compact",
+    "check_reset_rows",
+    "check_continuity",
+    "reward_key",
+    "done_key",
 )
 _DEFAULTS = {
     name: p.default

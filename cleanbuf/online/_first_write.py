@@ -118,8 +118,11 @@ def check_late_attachment(rb: Any, fresh: bool) -> int:
         CleanbufWarning(
             f"AutoresetFilter: the buffer already held {n} row(s) when the filter first wrote "
             "into it (attached after collection started, e.g. rb.append_transform(filt)); those "
-            f"rows were not cleaned and stay as they are. {fix}; or attach the filter before "
-            "the first write."
+            f"rows were not cleaned and stay as they are. {fix}. The filter does not see them, "
+            "so where an env's last row among them ended an episode, the first row the filter "
+            "stores of that env is its reset row (a bogus transition, reward 0), stored as it "
+            "came: cleaning the rows above does not reach it. Attach the filter before the "
+            "first write to store none."
         ),
         stacklevel=user_stacklevel(),
     )

@@ -47,14 +47,14 @@ def flush_message(n_lost: int, n_next: int = 0) -> str:
             f"{n_lost} row(s) stored by filt.flush(rb) lost their terminal observation: each "
             "ended an episode on the last step collected, its producer did not store the "
             "terminal observation in that row (TorchRL's GymEnv(num_envs=N) zero-fills it), and "
-            "the reset row that holds it was never collected. They are stored with a NaN next "
+            "the reset row that holds it had not come. They are stored with a NaN next "
             "observation (TorchRL's mark for a missing one: a loss that bootstraps from it "
             "gives NaN); stats['terminal_obs_missing'] counts them."
         )
     if n_next:
         said.append(
             f"{n_next} row(s) stored by filt.flush(rb) are not done and lost their next "
-            "observation: each waited for the next row of its env, which was never collected "
+            "observation: each waited for the next row of its env, which had not come "
             "(rows stored without their next observation, as Collector(compact_obs=True) "
             "stores them, take it from that row; or a batch-end mark of set_truncated=True "
             "still undecided). They are stored with a NaN next observation and done=False, so "
@@ -64,6 +64,10 @@ def flush_message(n_lost: int, n_next: int = 0) -> str:
     fix = " To store no such row, flush with filt.flush(rb, on_lost_terminal_obs='drop')"
     if n_lost:
         fix += "; to lose none, use a lossless producer, cleanbuf.lossless_gym_env(name, num_envs)"
+    fix += (
+        ". Flush once, when collection ends: rows that come after a flush cannot complete the "
+        "rows it stored (to checkpoint a filter mid-run, save filt.state_dict())"
+    )
     return " ".join(said) + fix + "."
 
 
