@@ -203,10 +203,31 @@ def test_integer_observations_lost_are_offered_only_the_policies_that_apply():
         AutoresetFilter("next_step", joint_reset=True).inv(bad)
     message = str(info.value)
     assert "'nan'" not in message and "for_env(env, on_lost_terminal_obs='drop')" in message
+    assert "cleanbuf.lossless_gym_env(name, num_envs)" in message  # (the way to lose none)
     for policy in ("drop", "keep"):
         assert f"'{policy}' (" in message
         filt = AutoresetFilter("next_step", joint_reset=True, on_lost_terminal_obs=policy)
         assert len(filt.inv(bad)) == filt.stats["rows_out"] > 0
+
+
+def test_same_step_integer_observations_without_final_are_offered_what_applies():
+    """Bug caught: same-step done rows of integer observations without a final
+    observation were offered on_lost_terminal_obs='nan' (then refused); floating ones
+    are offered it, and it runs.
+    """
+    bad = same_step_batch(2, 30, 3, final=False)
+    ints = bad.clone()
+    for key in ("observation", ("next", "observation")):
+        ints.set(key, ints[key].to(torch.int64))
+    for batch, nan in ((ints, False), (bad, True)):
+        with pytest.raises(TerminalObservationLostError) as info:
+            AutoresetFilter("same_step").inv(batch)
+        message = str(info.value)
+        assert ("'nan' (mark them NaN)" in message) == nan, message
+        for policy in ("drop", "keep", "nan") if nan else ("drop", "keep"):
+            assert f"'{policy}' (" in message
+            filt = AutoresetFilter("same_step", on_lost_terminal_obs=policy)
+            assert len(filt.inv(batch)) == filt.stats["rows_out"] > 0
 
 
 def test_a_missing_reward_key_error_gives_a_fix_that_runs():

@@ -144,10 +144,11 @@ def test_a_flush_of_rows_without_their_next_row_says_so():
     assert any("on_lost_terminal_obs='drop'" in m for m in said)
 
 
-def test_a_flush_mid_run_says_to_flush_once():
-    """Bug caught: a flush after each batch (as for a checkpoint) stored held rows with
-    NaN while their reset rows came in the next batch, and the warning said those rows
-    were never collected. It now says to flush once, at the end, and names the checkpoint.
+def test_rows_after_a_flush_that_lost_rows_are_said():
+    """Bug caught: a flush after a batch (as for a checkpoint) stored a held row with
+    NaN while its reset row came in the next batch, and nothing said so (the flush's
+    warning said the row "was never collected"). The next write now warns once, naming
+    the checkpoint; a flush at the end of collection, with no write after it, does not.
     """
     seed = next(s for s in range(100) if next_step_batch(2, 40, s)["next", "done"][:, 19].any())
     filt = AutoresetFilter("next_step")
@@ -158,8 +159,17 @@ def test_a_flush_mid_run_says_to_flush_once():
     with pytest.warns(CleanbufWarning) as record:
         filt.flush(rb)
     said = " ".join(str(w.message) for w in record)
-    assert "had not come" in said and "Flush once, when collection ends" in said
-    assert "filt.state_dict()" in said
+    assert "had not come" in said and "rows came after" not in said
+    with pytest.warns(CleanbufWarning, match="rows came after filt.flush") as record:
+        rb.extend(batch[:, 20:])
+    assert "filt.state_dict()" in str(record[0].message)
+    assert not filt.__dict__["_flushed_lost"], "said once per flush"
+    ended = AutoresetFilter("next_step")
+    rb2 = ReplayBuffer(storage=LazyTensorStorage(1000), transform=ended)
+    rb2.extend(batch[:, :20])
+    with pytest.warns(CleanbufWarning):
+        ended.flush(rb2)  # the end: nothing comes after, nothing more is said
+    assert ended.__dict__.get("_flushed_lost"), "the notice waits for a write that never comes"
 
 
 def test_the_repr_shows_checks_turned_off():

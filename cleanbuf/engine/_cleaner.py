@@ -116,18 +116,24 @@ def lost_policy(
     policy = options.on_lost_terminal_obs
     if n_lost == 0:
         return policy or "nan"
+    ints = [k for k in obs_keys if not leaves[k].is_floating_point()]
+    nan = "" if ints else " or 'nan' (mark them NaN)"  # (NaN cannot mark integers)
+    choices = (
+        "Choose on_lost_terminal_obs='drop' (do not store those rows), 'keep' (store them as "
+        f"the producer left them){nan}, where the "
+        "options are given (AutoresetFilter(..., on_lost_terminal_obs='drop'), "
+        "AutoresetFilter.for_env(env, on_lost_terminal_obs='drop'), clean(...) or "
+        "RolloutRepair(...) alike). Nothing was written."
+    )
     if policy is None and final_missing:
         raise TerminalObservationLostError(
             f"{n_lost} done row(s) have no final observation (no final-observation "
             "entry such as ('next', 'final_obs'), ('next', 'final_observation') or "
             "('next', 'terminal_observation'), or its mask says it is absent), so "
             "their next observation would be the reset observation. Store the final "
-            "observation (cleanbuf.step_rows reads it from the info), name it with "
-            "final_obs_key=, or choose on_lost_terminal_obs='drop' (do not store those "
-            "rows), 'nan' (mark them) or 'keep' (store them as they are). Nothing was "
-            "written."
+            "observation (cleanbuf.step_rows reads it from the info: pass the step's info), "
+            f"name it with final_obs_key=, or: {choices}"
         )
-    ints = [k for k in obs_keys if not leaves[k].is_floating_point()]
     if policy == "raise" or (policy is None and ints):
         why = (
             f"observation keys {', '.join(key_name(k) for k in ints)} are not floating "
@@ -136,15 +142,12 @@ def lost_policy(
             else "on_lost_terminal_obs='raise'"
         )
         keys = ", ".join(key_name(("next", *k)) for k in obs_keys)
-        nan = "" if ints else " or 'nan' (mark them NaN)"
         raise TerminalObservationLostError(
             f"{n_lost} next observation(s) ({keys}) are lost (the producer reset every env of "
             "a reset group at once, the final observation is absent, or the row after "
-            f"never arrived) and {why}. Choose on_lost_terminal_obs='drop' (do not "
-            f"store those rows), 'keep' (store them as the producer left them){nan}, where "
-            "the options are given (AutoresetFilter(..., on_lost_terminal_obs='drop'), "
-            "AutoresetFilter.for_env(env, on_lost_terminal_obs='drop'), clean(...) or "
-            "RolloutRepair(...) alike). Nothing was written."
+            f"never arrived) and {why}. To lose none, use a producer that keeps terminal "
+            "observations (for TorchRL's GymEnv(name, num_envs=N): "
+            f"cleanbuf.lossless_gym_env(name, num_envs)). Else: {choices}"
         )
     if policy == "nan" and ints:
         raise InputError(

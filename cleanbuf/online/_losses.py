@@ -64,10 +64,6 @@ def flush_message(n_lost: int, n_next: int = 0) -> str:
     fix = " To store no such row, flush with filt.flush(rb, on_lost_terminal_obs='drop')"
     if n_lost:
         fix += "; to lose none, use a lossless producer, cleanbuf.lossless_gym_env(name, num_envs)"
-    fix += (
-        ". Flush once, when collection ends: rows that come after a flush cannot complete the "
-        "rows it stored (to checkpoint a filter mid-run, save filt.state_dict())"
-    )
     return " ".join(said) + fix + "."
 
 

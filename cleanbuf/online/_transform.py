@@ -36,6 +36,7 @@ from cleanbuf.engine._errors import (
     InputError,
     StateError,
     TerminalObservationLostError,
+    user_stacklevel,
 )
 from cleanbuf.engine._options import Options, keyword_names, options_in, refuse_unknown
 from cleanbuf.online import _at_exit, _publish
@@ -438,11 +439,29 @@ class AutoresetFilter(OnlineCleaner, Transform):
         """Flushes; warns when the rows it stored lost next observations by default."""
         before = self._lost_so_far()
         out = self._flush_rows(rb, on_lost_terminal_obs)
+        after = self._lost_so_far()
+        n_lost, n_next = after[0] - before[0], after[1] - before[1]
+        # Said at the next call, if rows come after the flush (it was not the end).
+        self.__dict__["_flushed_lost"] = n_lost + n_next
         policy = self.options if on_lost_terminal_obs is None else None
         if policy is not None and self._losses.counting(policy):
-            after = self._lost_so_far()
-            self._losses.after_flush(after[0] - before[0], after[1] - before[1])
+            self._losses.after_flush(n_lost, n_next)
         return out
+
+    def _say_rows_after_flush(self) -> None:
+        """Warns, once, of rows that come after a flush that stored rows without their next one."""
+        n = self.__dict__["_flushed_lost"]
+        self.__dict__["_flushed_lost"] = 0
+        warnings.warn(
+            CleanbufWarning(
+                f"rows came after filt.flush(rb), which stored {n} row(s) without their next "
+                "observation (NaN, or as the producer left them) or left them out: the rows "
+                "written since may hold those next observations, too late for the rows the "
+                "flush stored. Flush once, when collection ends; to checkpoint mid-run, save "
+                "filt.state_dict() with the buffer's rb.state_dict() instead."
+            ),
+            stacklevel=user_stacklevel(),
+        )
 
     def _lost_so_far(self) -> tuple[int, int]:
         """``terminal_obs_missing`` and ``next_obs_missing``: this filter's, or its copies' sums."""
@@ -509,6 +528,8 @@ class AutoresetFilter(OnlineCleaner, Transform):
             raise InputError(not_a_tensordict(tensordict, self.options.layout))
         if not self._storage_checked or self._in_ray_actor is None:
             self._first_write(tensordict)
+        if self.__dict__.get("_flushed_lost"):
+            self._say_rows_after_flush()
         one_step = tensordict.batch_dims and tensordict.batch_size[-1] == 1  # (spares a call)
         if one_step and is_storage_init(tensordict):
             # Shaped as the filter's rows, so the storage is laid out for them;
@@ -524,16 +545,7 @@ class AutoresetFilter(OnlineCleaner, Transform):
             tensordict = with_stream_index(
                 tensordict, self.options.layout, self.options.stream_key, owned=owned
             )
-        try:
-            out = self._engine(tensordict)
-        except CleanbufError as err:
-            if not failed:
-                raise
-            raise type(err)(
-                "The write of the previous batch into the buffer failed, so its rows (and "
-                "the held rows its call released) are not stored; the filter is back to "
-                f"before that batch: write it again before this one. {err}"
-            ) from None
+        out = self._run_engine(tensordict, failed)
         if marks is not None and out.batch_size[0]:
             # (per-call fields go into __dict__: nn.Module.__setattr__ costs more)
             n = out.batch_size[0]
@@ -546,6 +558,19 @@ class AutoresetFilter(OnlineCleaner, Transform):
         if self._copies is not None:
             self._publish()
         return out
+
+    def _run_engine(self, tensordict: TensorDictBase, failed: bool) -> TensorDictBase:
+        """The cleaner's call; after a failed write, its error says so."""
+        try:
+            return self._engine(tensordict)
+        except CleanbufError as err:
+            if not failed:
+                raise
+            raise type(err)(
+                "The write of the previous batch into the buffer failed, so its rows (and "
+                "the held rows its call released) are not stored; the filter is back to "
+                f"before that batch: write it again before this one. {err}"
+            ) from None
 
     def _first_write(self, tensordict: TensorDictBase) -> None:
         """At the first write: where the filter runs, the buffer, and what it already holds.
@@ -672,7 +697,10 @@ class AutoresetFilter(OnlineCleaner, Transform):
             self.__dict__["_said_unflushed"] = True
             warnings.warn(
                 f"an AutoresetFilter still held {held} row(s) at interpreter exit that were "
-                f"never stored (each waits for the row after it). {self._flush_advice()}",
+                f"never stored (each waits for the row after it). {self._flush_advice()} To "
+                "resume collection in another process instead, save filt.state_dict() with "
+                "the buffer's rb.state_dict(): the restored filter stores them when their next "
+                "rows come.",
                 CleanbufWarning,
                 stacklevel=2,
             )
