@@ -277,10 +277,7 @@ def done_flags(rows: Views, done_key: tuple | None) -> np.ndarray:
         array([False,  True])
     """
     source = done_source(rows, done_key)
-    done = source.flags(rows)
-    if source.agree:
-        check_done_agrees(done, rows, source.agree)
-    return done
+    return source.of_flags({k: read_flags(rows, k) for k in (*source.keys, *source.agree)})
 
 
 class DoneSource(NamedTuple):
@@ -298,10 +295,42 @@ class DoneSource(NamedTuple):
 
     def flags(self, rows: Views) -> np.ndarray:
         """The done flags of ``rows``, unchecked (rows already read and checked once)."""
-        done = read_flags(rows, self.keys[0])
-        for key in self.keys[1:]:
-            done = done | read_flags(rows, key)
-        return done
+        return self.of_flags({k: read_flags(rows, k) for k in self.keys}, check=False)
+
+    def of_flags(self, flags: dict, check: bool = True) -> np.ndarray:
+        """The done flag from each key's flags (``key -> bool [n_rows]``): the one rule.
+
+        ``keys`` or-ed; with ``check``, done must agree with ``agree`` on every row: equal
+        to ``terminated | truncated`` with both present, set wherever the one present is
+        (a missed end would keep its reset row as a transition).
+
+        Raises:
+            InputError: done disagrees with its parts (a row named).
+
+        Examples:
+            >>> source = DoneSource((("next", "done"),), (("next", "terminated"),))
+            >>> flags = {("next", "done"): np.array([True, False]),
+            ...          ("next", "terminated"): np.array([True, False])}
+            >>> source.of_flags(flags).tolist()
+            [True, False]
+        """
+        keys, agree = self.keys, self.agree
+        done = flags[keys[0]] if len(keys) == 1 else flags[keys[0]] | flags[keys[1]]
+        if not check or not agree:
+            return done
+        ends = flags[agree[0]] if len(agree) == 1 else flags[agree[0]] | flags[agree[1]]
+        bad = ends != done if len(agree) == 2 else ends & ~done
+        if not np.count_nonzero(bad):
+            return done
+        row = int(np.flatnonzero(bad)[0])
+        names = " | ".join(key_name(k) for k in agree)
+        raise InputError(
+            f"('next', 'done') must agree with {names}: expected done={bool(ends[row])} on row "
+            f"{row} ({int(np.count_nonzero(bad))} row(s) disagree), got done={bool(done[row])}. "
+            f"Fix: data.set(('next', 'done'), {names}) before the filter (TorchRL envs keep "
+            "done == terminated | truncated), or pass done_key= naming the key that marks "
+            "episode ends. Nothing was written."
+        )
 
 
 def done_source(rows: Views, done_key: tuple | None) -> DoneSource:
@@ -342,31 +371,6 @@ def read_flags(rows: Views, key: tuple) -> np.ndarray:
     if a is not None:
         return a.reshape(rows.n_rows)
     return rows.tensors[key].reshape(rows.n_rows).cpu().numpy()
-
-
-def check_done_agrees(done: np.ndarray, rows: Views, parts: tuple) -> None:
-    """Raises unless ``("next", "done")`` is ``terminated | truncated`` on every row.
-
-    With only one of the two present, done must be set wherever it is (a missed end would keep
-    its reset row as a transition).
-    """
-    ends = read_flags(rows, parts[0])
-    if len(parts) == 2:
-        ends = ends | read_flags(rows, parts[1])
-        bad = ends != done
-    else:
-        bad = ends & ~done
-    if not np.count_nonzero(bad):
-        return
-    row = int(np.flatnonzero(bad)[0])
-    names = " | ".join(key_name(k) for k in parts)
-    raise InputError(
-        f"('next', 'done') must agree with {names}: expected done={bool(ends[row])} on row "
-        f"{row} ({int(np.count_nonzero(bad))} row(s) disagree), got done={bool(done[row])}. "
-        f"Fix: data.set(('next', 'done'), {names}) before the filter (TorchRL envs keep "
-        "done == terminated | truncated), or pass done_key= naming the key that marks "
-        "episode ends. Nothing was written."
-    )
 
 
 def observation_keys(leaves: dict, declared: tuple | None, bookkeeping: set) -> tuple[list, bool]:

@@ -55,7 +55,6 @@ from cleanbuf.engine._keys import (
     Views,
     batch_leaves,
     batch_views,
-    check_done_agrees,
     check_same_layout,
     done_source,
     final_entries,
@@ -254,12 +253,25 @@ def restart_rows(options: Options, rows: Views) -> np.ndarray:
         >>> restart_rows(Options(), rows).tolist()
         [True, False]
     """
-    if options.is_init_key is not None and options.is_init_key in rows.tensors:
-        return row_flags("is_init", options.is_init_key, rows)
-    if options.step_count_key is not None and options.step_count_key in rows.tensors:
-        count = rows.tensors[options.step_count_key]
-        return (count.reshape(rows.n_rows, -1)[:, 0] == 0).cpu().numpy()
-    return NONE
+    restart, count = restart_keys(options, rows.tensors)
+    if restart is not None:
+        return row_flags("is_init", restart, rows)
+    return NONE if count is None else count_restarts(rows, count)
+
+
+def restart_keys(options: Options, leaves: dict) -> tuple:
+    """``(is_init key, step-count key)`` that mark restarts: ``is_init`` first; None if absent."""
+    if options.is_init_key is not None and options.is_init_key in leaves:
+        return options.is_init_key, None
+    if options.step_count_key is not None and options.step_count_key in leaves:
+        return None, options.step_count_key
+    return None, None
+
+
+def count_restarts(rows: Views, key: tuple) -> np.ndarray:
+    """Per row, its step count (``rows.tensors[key]``, the first element) is 0."""
+    count = rows.tensors[key]
+    return (count.reshape(rows.n_rows, -1)[:, 0] == 0).cpu().numpy()
 
 
 def fill_marks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -531,17 +543,12 @@ class Schema:
         for key in self.flag_keys:  # (checked at build: one bool a row)
             a = views[key]
             f[key] = a.reshape(n) if a is not None else views.tensors[key].reshape(n).cpu().numpy()
-        keys, agree = self.done.keys, self.done.agree
-        done = f[keys[0]] if len(keys) == 1 else f[keys[0]] | f[keys[1]]
-        if agree:
-            ends = f[agree[0]] if len(agree) == 1 else f[agree[0]] | f[agree[1]]
-            if np.count_nonzero(ends != done if len(agree) == 2 else ends & ~done):
-                check_done_agrees(done, views, agree)  # (raises, naming a row)
+        done = self.done.of_flags(f)
         restart = NONE
         if self.restart is not None:
             restart = f[self.restart]
         elif self.count is not None:
-            restart = (views.tensors[self.count].reshape(n, -1)[:, 0] == 0).cpu().numpy()
+            restart = count_restarts(views, self.count)
         reward = NONE
         if self.reward is not None and self.reward in views.tensors:  # (else read() raises)
             a = views[self.reward]
@@ -638,11 +645,8 @@ def _role_keys(options: Options, views: Views, marks: bool, flag_keys: list) -> 
             :meth:`Reader.read`, after the held rows' keys are compared).
     """
     opts, leaves = options, views.tensors
-    restart = count = joint = None
-    if opts.is_init_key is not None and opts.is_init_key in leaves:
-        restart = opts.is_init_key
-    elif opts.step_count_key is not None and opts.step_count_key in leaves:
-        count = opts.step_count_key
+    joint = None
+    restart, count = restart_keys(opts, leaves)
     mark_keys = (None, None)
     if marks:
         mark_keys = tuple(k if k in leaves else None for k in DONE_KEYS[1:])
